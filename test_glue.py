@@ -175,7 +175,15 @@ def make_ckpt(path):
                 "tokenizer": tokenizer()}, path)
 
 
-def test_finetune_learns_a_synthetic_task(tmp_path, capsys):
+@pytest.fixture
+def one_thread():  # tiny models on a shared CPU: a second thread only adds contention
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_finetune_learns_a_synthetic_task(tmp_path, capsys, one_thread):
     rng = random.Random(0)
     words = ["the", "film", "was", "plot", "actor", "and", "a", "it", "long", "scene"]
 
@@ -187,17 +195,17 @@ def test_finetune_learns_a_synthetic_task(tmp_path, capsys):
             w.insert(rng.randint(0, len(w)), "great" if y else "awful")
             out.append(f"{' '.join(w)} \t{y}\n")
         return "sentence\tlabel\n" + "".join(out)
-    write(tmp_path / "glue" / "SST-2", {"train.tsv": rows(320), "dev.tsv": rows(100)})
+    write(tmp_path / "glue" / "SST-2", {"train.tsv": rows(640), "dev.tsv": rows(200)})
     write(tmp_path / "glue" / "RTE", FIXTURES["RTE"])
     ckpt = str(tmp_path / "ckpt.pt")
     make_ckpt(ckpt)
     common = ["--ckpt", ckpt, "--glue-dir", str(tmp_path / "glue"), "--device", "cpu", "--max-len", "64"]
-    res = glue.main(common + ["--tasks", "sst2", "--epochs", "4", "--lr", "1e-3"])
+    res = glue.main(common + ["--tasks", "sst2", "--epochs", "5", "--lr", "1e-3"])
     assert res["SST-2"]["accuracy"] > 90
     saved = json.load(open(tmp_path / "glue.json"))
     assert saved["SST-2"]["accuracy"] == res["SST-2"]["accuracy"] and saved["average_over"] == ["SST-2"]
     out = capsys.readouterr().out
-    assert "SST-2 trial 1/1 epoch 4/4" in out and "ex/s" in out and "ETA" in out and "crammed BERT v1" in out
+    assert "SST-2 trial 1/1 epoch 5/5" in out and "ex/s" in out and "ETA" in out and "crammed BERT v1" in out
     res = glue.main(common + ["--tasks", "rte", "--epochs", "1", "--trials", "2", "--random-init"])
     assert set(json.load(open(tmp_path / "glue-random-init.json"))["trials"]["RTE"][1]) == {"accuracy"}
     with pytest.raises(SystemExit, match="--max-len 65: longer than the checkpoint's 64"):
