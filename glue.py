@@ -37,7 +37,6 @@ TASKS = {
     "RTE": ("RTE", "sentence1", "sentence2", "label", ["entailment", "not_entailment"]),
     "WNLI": ("WNLI", "sentence1", "sentence2", "label", ["0", "1"]),
 }
-PAPER_TASKS = ["CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE"]  # WNLI only if asked
 COLA_HEADER = ["source", "label", "original_label", "sentence"]  # CoLA's files have no header line
 DEV = {"MNLI": {"MNLI-m": "dev_matched.tsv", "MNLI-mm": "dev_mismatched.tsv"}}  # others: {task: dev.tsv}
 METRICS = {"CoLA": ["mcc"], "STS-B": ["pearson", "spearman"], "MRPC": ["f1", "accuracy"], "QQP": ["f1", "accuracy"]}
@@ -66,6 +65,26 @@ def fetch(url, path, folder, need):
         die(f"{str(e.code).removeprefix('error: ')}; put that file at {path}, or {' and '.join(need)} in {folder}")
 
 
+def build_mrpc(folder, need):
+    """GLUE builds MRPC itself: SentEval's train file, split into train/dev by a list of dev id pairs."""
+    src = fetch(MRPC_URL, os.path.join(folder, "msr_paraphrase_train.txt"), folder, need)
+    ids = fetch(MRPC_DEV_IDS_URL, os.path.join(folder, "mrpc_dev_ids.tsv"), folder, need)
+    with open(ids, encoding="utf-8-sig") as f:
+        dev_ids = {tuple(line.split()) for line in f if line.strip()}
+    with open(src, encoding="utf-8") as f:  # the header keeps its BOM, as in GLUE's files
+        header = f.readline().rstrip("\r\n") + "\n"
+        out = {"train.tsv": [header], "dev.tsv": [header]}
+        for n, line in enumerate(f, 2):
+            row = line.strip().split("\t")
+            if len(row) != 5:
+                die(f"{src}:{n}: expected 5 tab-separated columns, found {len(row)}")
+            out["dev.tsv" if (row[1], row[2]) in dev_ids else "train.tsv"].append("\t".join(row) + "\n")
+    for name, lines in out.items():
+        with open(os.path.join(folder, name + ".tmp"), "w", encoding="utf-8") as f:
+            f.writelines(lines)
+        os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+
+
 def ensure_task(task, glue_dir):
     """The task's folder with train and dev tsv files in it, downloading them if missing."""
     folder = os.path.join(glue_dir, task)
@@ -73,24 +92,8 @@ def ensure_task(task, glue_dir):
     if all(os.path.exists(os.path.join(folder, f)) for f in need):
         return folder
     os.makedirs(folder, exist_ok=True)
-    if task == "MRPC":  # GLUE builds MRPC itself: SentEval's train file split by a list of dev id pairs
-        src = fetch(MRPC_URL, os.path.join(folder, "msr_paraphrase_train.txt"), folder, need)
-        ids = fetch(MRPC_DEV_IDS_URL, os.path.join(folder, "mrpc_dev_ids.tsv"), folder, need)
-        with open(ids, encoding="utf-8-sig") as f:
-            dev_ids = {tuple(line.split()) for line in f if line.strip()}
-        out = {"train.tsv": [], "dev.tsv": []}
-        with open(src, encoding="utf-8") as f:  # keep the header's BOM, as GLUE's files have it
-            out["train.tsv"].append(f.readline().rstrip("\r\n") + "\n")
-            out["dev.tsv"].append(out["train.tsv"][0])
-            for n, line in enumerate(f, 2):
-                row = line.strip().split("\t")
-                if len(row) != 5:
-                    die(f"{src}:{n}: expected 5 tab-separated columns, found {len(row)}")
-                out["dev.tsv" if (row[1], row[2]) in dev_ids else "train.tsv"].append("\t".join(row) + "\n")
-        for name, lines in out.items():
-            with open(os.path.join(folder, name + ".tmp"), "w", encoding="utf-8") as f:
-                f.writelines(lines)
-            os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+    if task == "MRPC":
+        build_mrpc(folder, need)
         return folder
     zpath = fetch(GLUE_URL.format(TASKS[task][0]), os.path.join(glue_dir, TASKS[task][0] + ".zip"), folder, need)
     try:
@@ -305,16 +308,16 @@ def save(path, results, trials, args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", required=True, help="cram checkpoint to fine-tune; glue.json is written next to it")
-    ap.add_argument("--glue-dir", default="data/glue", help="folder with <TASK>/train.tsv, dev.tsv; missing ones are downloaded")
-    ap.add_argument("--tasks", default="cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte", help="comma-separated tasks, any case, dash optional (wnli too)")
-    ap.add_argument("--epochs", type=int, default=5, help="fine-tuning epochs per task")
-    ap.add_argument("--lr", type=float, default=4e-5, help="peak AdamW learning rate")
-    ap.add_argument("--batch-size", type=int, default=16, help="examples per optimizer step")
-    ap.add_argument("--seed", type=int, default=0, help="seed of trial 1; trial k uses seed + k - 1")
-    ap.add_argument("--trials", type=int, default=1, help="fine-tuning runs per task, the table shows the median (the paper uses 5)")
-    ap.add_argument("--max-len", type=int, default=128, help="tokens per example, [CLS] and [SEP] included")
+    ap.add_argument("--glue-dir", default="data/glue", help="folder with <TASK>/train.tsv and dev.tsv; missing files are downloaded there (default: %(default)s)")
+    ap.add_argument("--tasks", default="cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte", help="comma-separated tasks, any case, dash optional; wnli also exists (default: %(default)s)")
+    ap.add_argument("--epochs", type=int, default=5, help="fine-tuning epochs per task (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=4e-5, help="peak AdamW learning rate (default: %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=16, help="examples per optimizer step (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of trial 1; trial k uses seed + k - 1 (default: %(default)s)")
+    ap.add_argument("--trials", type=int, default=1, help="fine-tuning runs per task; the table shows the median (the paper: 5; default: %(default)s)")
+    ap.add_argument("--max-len", type=int, default=128, help="tokens per example, [CLS] and [SEP] included (default: %(default)s)")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    ap.add_argument("--random-init", action="store_true", help="same architecture from random weights: the no-pretraining baseline")
+    ap.add_argument("--random-init", action="store_true", help="same architecture from random weights, the no-pretraining row; writes glue-random-init.json")
     args = ap.parse_args(argv)
     tasks = list(dict.fromkeys(task_name(t) for t in args.tasks.split(",") if t.strip()))
     if not tasks:

@@ -223,3 +223,146 @@ def test_c4_download_path(tmp_path, http_server, monkeypatch):
     assert meta["documents"] == 200 and len(meta["sources"]) == 2
     with pytest.raises(SystemExit, match="c4-2.json.gz: HTTP 404"):
         prepare.main(["--shards", "3", "--out", str(tmp_path), "--vocab-size", "300"])
+
+
+# ----------------------------------------------------------------------------- cram.py
+TINY = ["--layers", "2", "--width", "64", "--heads", "2", "--ffn", "128", "--micro-batch", "8", "--batch-size", "16",
+        "--device", "cpu", "--log-every", "0", "--eval-rows", "64"]
+
+
+def records(out):
+    return [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+
+
+def test_parameter_count_and_flops():
+    with torch.device("meta"):
+        model = cram.Crammed(cram.ModelConfig())
+    d, V, L = 768, 32768, 16
+    per_layer = 2 * 2 * d + 3 * d * d + d * d + d * 3072 + 1536 * d  # 2 LayerNorms, qkv, proj, gated MLP
+    assert sum(p.numel() for p in model.parameters()) == V * d + 1 + 2 * d + L * per_layer + 2 * d == 119_589_889
+    assert abs(cram.flops_per_token(cram.ModelConfig()) / 1e9 - 0.62) < 0.01  # the paper's count
+
+
+def test_sparse_prediction_equals_dense_and_initial_loss():
+    torch.manual_seed(0)
+    c = cram.ModelConfig(vocab_size=1000, seq_len=32, layers=2, width=64, heads=4, ffn=256)
+    model = cram.Crammed(c).eval()
+    rows = torch.randint(0, 996, (6, 32))
+    gen = torch.Generator().manual_seed(0)
+    inputs, pos, labels = cram.mask_rows(rows, torch.tensor([996, 997, 998, 999]), 999, 996, gen)
+    sparse = model(inputs, positions=pos, labels=labels)
+    logits = model(inputs) @ model.emb.weight.T  # decoder on every position, then pick the masked ones
+    dense = torch.nn.functional.cross_entropy(logits[torch.arange(6)[:, None], pos].flatten(0, 1), labels.flatten())
+    assert torch.allclose(sparse, dense, atol=1e-6)
+    assert abs(sparse.item() - math.log(1000)) < 0.1
+
+
+def test_masking_counts_and_80_10_10():
+    V, specials = 1000, torch.tensor([996, 997, 998, 999])
+    rows = torch.randint(0, 996, (400, 128))
+    rows[:, ::10] = 998  # [SEP]s must never be masked
+    gen = torch.Generator().manual_seed(1)
+    inputs, pos, labels = cram.mask_rows(rows, specials, 999, 996, gen)
+    assert pos.shape == (400, 32) and all(len(set(p.tolist())) == 32 for p in pos)  # exactly round(0.25 x 128)
+    assert (labels == rows.gather(1, pos)).all() and not torch.isin(labels, specials).any()
+    got = inputs.gather(1, pos)
+    frac_mask, frac_same = (got == 999).float().mean().item(), (got == labels).float().mean().item()
+    assert abs(frac_mask - 0.8) < 0.01 and abs(frac_same - 0.1 - 0.1 / 996) < 0.01  # 10% kept, 10% random
+    assert (got < 996).logical_or(got == 999).all()  # random replacements are ordinary tokens
+    untouched = torch.ones_like(rows, dtype=torch.bool).scatter(1, pos, False)
+    assert (inputs[untouched] == rows[untouched]).all()
+    # a row with fewer ordinary tokens than masks: specials are picked but ignored by the loss
+    short = torch.full((1, 128), 998)
+    short[0, :10] = 5
+    inputs, pos, labels = cram.mask_rows(short, specials, 999, 996, gen)
+    assert (labels != -100).sum() == 10 and (inputs[0, 10:] == 998).all()
+
+
+def test_schedule_and_ramp():
+    assert [cram.schedule(x, 1e-3) for x in (0, 0.25, 0.5, 0.75, 0.9, 1)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 4e-4, 0])
+    assert [cram.ramp(x, 8192, 128) for x in (0, 0.01, 0.3, 0.6, 0.9, 1)] == [1, 1, 32, 64, 64, 64]
+    assert cram.ramp(0.45, 64, 32) == 2 and cram.ramp(0.1, 64, 32) == 1
+
+
+def test_overfits_tiny_dataset(tmp_path, data):
+    small = tmp_path / "small"
+    small.mkdir()
+    for f in ("meta.json", "tokenizer.tiktoken"):
+        (small / f).write_bytes(open(os.path.join(data, f), "rb").read())
+    rows = np.fromfile(os.path.join(data, "train.bin"), np.uint16)[: 8 * 32]
+    rows.tofile(small / "train.bin"), rows.tofile(small / "val.bin")
+    cram.main(["--data", str(small), "--out", str(tmp_path / "out"), "--steps", "500", "--lr", "3e-3", *TINY,
+               "--batch-size", "8", "--log-every", "1"])
+    log = records(str(tmp_path / "out"))
+    assert log[0]["loss"] > 5 and log[-1]["val_loss"] < 0.5
+
+
+def test_budget_is_respected(tmp_path, data):
+    t0 = time.time()
+    cram.main(["--data", data, "--out", str(tmp_path), "--time", "3", *TINY])
+    log = records(str(tmp_path))
+    assert all(r["elapsed"] <= 3.5 for r in log[:-1]) and 2.5 <= log[-1]["elapsed"] <= 3.0
+    assert time.time() - t0 < 20 and "val_loss" in log[-1]
+    assert cram.load_checkpoint(str(tmp_path / "ckpt.pt"))["elapsed"] <= 3.0
+
+
+def run_cram(*args):
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "cram.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigterm_checkpoint_and_exact_resume(tmp_path, data):
+    common = ["--data", data, "--steps", "200", *TINY]
+    full = str(tmp_path / "full")
+    cram.main([*common, "--out", full])
+    part = str(tmp_path / "part")
+    p = run_cram(*common, "--out", part)
+    while not os.path.exists(os.path.join(part, "log.jsonl")) or len(records(part)) < 20:
+        assert p.poll() is None, p.stdout.read()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 128 + signal.SIGTERM, p.stdout.read()
+    ck = cram.load_checkpoint(os.path.join(part, "ckpt.pt"))
+    assert 20 <= ck["step"] < 200
+    cram.main([*common, "--out", part, "--resume"])
+    a, b = torch.load(os.path.join(full, "ckpt.pt")), torch.load(os.path.join(part, "ckpt.pt"))
+    assert b["step"] == a["step"] == 200 and b["data"] == a["data"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert records(full)[-1]["val_loss"] == records(part)[-1]["val_loss"]
+
+
+def test_torchrun_two_gloo_processes_agree(tmp_path, data):
+    out = str(tmp_path / "ddp")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        os.path.join(HERE, "cram.py"), "--data", data, "--out", out, "--steps", "6", *TINY],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = records(out)
+    assert any(rec.get("ranks_agree") is True and rec["world"] == 2 for rec in log)
+    assert log[-1]["seqs"] == sum(8 * 2 * cram.ramp(s / 6, 16, 16) for s in range(6))
+    assert cram.load_checkpoint(os.path.join(out, "ckpt.pt"))["step"] == 6
+
+
+def test_bench_prints_tokens_per_second(capsys):
+    tok_s = cram.main(["--bench", "--bench-steps", "2", "--vocab-size", "500", *TINY])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert tok_s > 0 and f"tokens/s={tok_s:.0f}" in last
+
+
+def test_clear_errors(tmp_path, data):
+    with pytest.raises(SystemExit, match="run `python prepare.py` first"):
+        cram.main(["--data", str(tmp_path / "none"), "--out", str(tmp_path), *TINY])
+    (tmp_path / "ckpt.pt").write_bytes(b"garbage")
+    with pytest.raises(SystemExit, match="ckpt.pt: corrupt or unreadable checkpoint"):
+        cram.main(["--data", data, "--out", str(tmp_path), "--resume", *TINY])
+    torch.save({"something": "else"}, tmp_path / "ckpt.pt")
+    with pytest.raises(SystemExit, match="ckpt.pt: not a cram checkpoint"):
+        cram.main(["--data", data, "--out", str(tmp_path), "--resume", *TINY])
+    cram.main(["--data", data, "--out", str(tmp_path / "a"), "--steps", "1", *TINY])
+    other, out = prep(str(tmp_path), make_docs(200), name="other")
+    meta = json.load(open(os.path.join(out, "meta.json")))
+    meta["seq_len"] = 16
+    json.dump(meta, open(os.path.join(out, "meta.json"), "w"))
+    with pytest.raises(SystemExit, match="seq len 32 do not match"):
+        cram.main(["--data", out, "--out", str(tmp_path / "a"), "--resume", *TINY])

@@ -159,6 +159,9 @@ def test_download_unzips_and_builds_mrpc(tmp_path, server, monkeypatch):
     assert glue.ensure_task("RTE", glue_dir) == folder.replace("MRPC", "RTE")  # present: no network needed
     with pytest.raises(SystemExit, match=r"HTTP 404.*CoLA.zip.*train.tsv and dev.tsv in .*glue/CoLA"):
         glue.ensure_task("CoLA", glue_dir)
+    (root / "STS-B.zip").write_bytes(b"<html>not a zip</html>")
+    with pytest.raises(SystemExit, match=r"STS-B.zip is not a valid zip file"):
+        glue.ensure_task("STS-B", glue_dir)
 
 
 # ----------------------------------------------------------------------------- fine-tuning
