@@ -62,7 +62,7 @@ def fetch(url, path, folder, need):
     try:
         return download(url, path)
     except SystemExit as e:  # say what a user without network access can do instead
-        die(f"{str(e.code).removeprefix('error: ')}; put that file at {path}, or {' and '.join(need)} in {folder}")
+        die(f"{str(e.code).removeprefix('error: ')}; put that file at {path}, or {', '.join(need)} in {folder}")
 
 
 def build_mrpc(folder, need):
@@ -91,11 +91,11 @@ def ensure_task(task, glue_dir):
     need = ["train.tsv", *DEV.get(task, {task: "dev.tsv"}).values()]
     if all(os.path.exists(os.path.join(folder, f)) for f in need):
         return folder
-    os.makedirs(folder, exist_ok=True)
     if task == "MRPC":
         build_mrpc(folder, need)
         return folder
     zpath = fetch(GLUE_URL.format(TASKS[task][0]), os.path.join(glue_dir, TASKS[task][0] + ".zip"), folder, need)
+    os.makedirs(folder, exist_ok=True)
     try:
         with zipfile.ZipFile(zpath) as z:
             for name in need:  # the shallowest member of that name, e.g. QQP/train.tsv
@@ -241,7 +241,8 @@ def finetune(ckpt, task, train, devs, args, trial, device, pad):
     model = nn.ModuleDict(dict(body=body, head=head)).to(device)
     forward = lambda x, mask: model["head"](model["body"](x, mask)[:, 0]).float()
     amp = (lambda: torch.autocast("cuda", torch.bfloat16)) if device.type == "cuda" else nullcontext
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0,
+                            fused=device.type == "cuda")
     n, per_epoch = len(train[0]), math.ceil(len(train[0]) / args.batch_size)
     total, warmup = args.epochs * per_epoch, int(0.1 * args.epochs * per_epoch)
     step, seen, t0, last, loss_sum, loss_n = 0, 0, time.time(), time.time(), torch.zeros((), device=device), 0
@@ -271,7 +272,8 @@ def finetune(ckpt, task, train, devs, args, trial, device, pad):
     results = {}
     with torch.no_grad(), amp():
         for split, (ids, ys) in devs.items():
-            out = torch.cat([forward(x, mask).cpu() for x, mask, _ in batches(ids, ys, torch.arange(len(ids)), 128, pad, device)])
+            out = torch.cat([forward(x, mask).cpu() for x, mask, _ in
+                             batches(ids, ys, torch.arange(len(ids)), 128, pad, device)])
             results[split] = score(task, out[:, 0].numpy() if regression else out.argmax(-1).numpy(), ys.numpy())
     return results
 
@@ -308,23 +310,27 @@ def save(path, results, trials, args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", required=True, help="cram checkpoint to fine-tune; glue.json is written next to it")
-    ap.add_argument("--glue-dir", default="data/glue", help="folder with <TASK>/train.tsv and dev.tsv; missing files are downloaded there (default: %(default)s)")
-    ap.add_argument("--tasks", default="cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte", help="comma-separated tasks, any case, dash optional; wnli also exists (default: %(default)s)")
+    ap.add_argument("--glue-dir", default="data/glue",
+                    help="folder of <TASK>/train.tsv, dev.tsv; missing files are downloaded (default: %(default)s)")
+    ap.add_argument("--tasks", default="cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte",
+                    help="comma-separated, any case, dash optional; wnli too (default: %(default)s)")
     ap.add_argument("--epochs", type=int, default=5, help="fine-tuning epochs per task (default: %(default)s)")
     ap.add_argument("--lr", type=float, default=4e-5, help="peak AdamW learning rate (default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=16, help="examples per optimizer step (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of trial 1; trial k uses seed + k - 1 (default: %(default)s)")
-    ap.add_argument("--trials", type=int, default=1, help="fine-tuning runs per task; the table shows the median (the paper: 5; default: %(default)s)")
-    ap.add_argument("--max-len", type=int, default=128, help="tokens per example, [CLS] and [SEP] included (default: %(default)s)")
+    ap.add_argument("--trials", type=int, default=1,
+                    help="fine-tuning runs per task, the table shows the median; the paper uses 5 (default: %(default)s)")
+    ap.add_argument("--max-len", type=int, default=128, help="tokens per example with [CLS], [SEP] (default: %(default)s)")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    ap.add_argument("--random-init", action="store_true", help="same architecture from random weights, the no-pretraining row; writes glue-random-init.json")
+    ap.add_argument("--random-init", action="store_true",
+                    help="fine-tune the same architecture from random weights (no pretraining); writes glue-random-init.json")
     args = ap.parse_args(argv)
     tasks = list(dict.fromkeys(task_name(t) for t in args.tasks.split(",") if t.strip()))
     if not tasks:
         die("--tasks: name at least one task")
-    for flag, v in (("--epochs", args.epochs), ("--batch-size", args.batch_size), ("--trials", args.trials), ("--lr", args.lr)):
-        if not v > 0:
-            die(f"{flag} {v}: must be positive")
+    for flag in ("epochs", "batch_size", "trials", "lr"):
+        if not getattr(args, flag) > 0:
+            die(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
     if args.max_len < 4:
         die(f"--max-len {args.max_len}: must be at least 4")
     for task in tasks:  # every file first: a missing one should fail now, not hours into the run
@@ -334,7 +340,8 @@ def main(argv=None):
         die(f"--max-len {args.max_len}: longer than the checkpoint's {ckpt['model_config']['seq_len']} positions")
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
     device = pick_device(args.device)
-    out = os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "glue-random-init.json" if args.random_init else "glue.json")
+    out = os.path.join(os.path.dirname(os.path.abspath(args.ckpt)),
+                       "glue-random-init.json" if args.random_init else "glue.json")
     results, trials = {}, {}
     for task in tasks:
         t0, folder = time.time(), os.path.join(args.glue_dir, task)
@@ -343,7 +350,7 @@ def main(argv=None):
                 for split, f in DEV.get(task, {task: "dev.tsv"}).items()}
         print(f"{task}: {len(train[0]):,} train and {' + '.join(f'{len(d[0]):,}' for d in devs.values())} dev examples "
               f"({time.time() - t0:.1f}s to read), on {device}", flush=True)
-        runs = [finetune(ckpt, task, train, devs, args, trial, device, specials["[PAD]"]) for trial in range(args.trials)]
+        runs = [finetune(ckpt, task, train, devs, args, k, device, specials["[PAD]"]) for k in range(args.trials)]
         for split in devs:
             trials[split] = [r[split] for r in runs]
             results[split] = {m: float(np.median([r[m] for r in trials[split]])) for m in trials[split][0]}
