@@ -205,6 +205,8 @@ def get_args(argv=None):
     ap.add_argument("--save-every", type=float, default=1800, help="seconds between checkpoints")
     ap.add_argument("--resume", action="store_true", help="continue OUT/ckpt.pt exactly where it stopped")
     ap.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: looked up for known GPUs)")
+    ap.add_argument("--eval", action="store_true", help="only report OUT/ckpt.pt's MLM loss on all of DATA's rows "
+                    "(e.g. held-out text prepared with --tokenizer), up to --eval-rows")
     ap.add_argument("--bench", action="store_true", help="time training steps on random tokens and exit")
     ap.add_argument("--bench-steps", type=int, default=20, help="timed steps in --bench (after 3 warm-up steps)")
     ap.add_argument("--vocab-size", type=int, default=32768, help="vocabulary for --bench (otherwise from the data)")
@@ -228,7 +230,7 @@ def main(argv=None):
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     os.makedirs(args.out, exist_ok=True)
     ckpt_path = os.path.join(args.out, "ckpt.pt")
-    ckpt = load_checkpoint(ckpt_path) if args.resume else None
+    ckpt = load_checkpoint(ckpt_path) if args.resume or args.eval else None
     if ckpt:  # the schedule depends on these, so the stored run decides them
         for k in ("time", "steps", "micro_batch", "batch_size", "lr", "seed"):
             setattr(args, k, ckpt["args"][k])
@@ -247,6 +249,8 @@ def main(argv=None):
         if ckpt and (ckpt["model_config"]["vocab_size"], ckpt["model_config"]["seq_len"]) != (c.vocab_size, c.seq_len):
             die(f"{ckpt_path}: vocab {ckpt['model_config']['vocab_size']} / seq len {ckpt['model_config']['seq_len']} "
                 f"do not match {args.data} ({c.vocab_size} / {c.seq_len})")
+        if ckpt and ckpt["tokenizer"]["ranks"] != tok["ranks"]:
+            die(f"{ckpt_path}: trained with another tokenizer than {args.data}; prepare it with --tokenizer")
     if ckpt:
         c = ModelConfig(**ckpt["model_config"])
     if c.width % c.heads or c.ffn % 2:
@@ -307,9 +311,10 @@ def main(argv=None):
             f"{args.micro_batch} compile={model is not raw} tokens/s={tok_s:.0f}" + (f" mfu={mfu(tok_s)}" if peak else ""))
         return tok_s
 
-    def evaluate():
+    def evaluate(names=("val.bin",)):
         """Held-out MLM loss with fixed-seed masks, so that runs compare."""
-        val = np.memmap(os.path.join(args.data, "val.bin"), dtype=np.uint16, mode="r").reshape(-1, c.seq_len)[: args.eval_rows]
+        val = np.concatenate([np.memmap(os.path.join(args.data, f), dtype=np.uint16, mode="r").reshape(-1, c.seq_len)
+                              for f in names])[: args.eval_rows]
         raw.eval()
         total, n = 0.0, 0
         with torch.no_grad(), autocast:
@@ -321,6 +326,12 @@ def main(argv=None):
                 n += len(rows)
         raw.train()
         return total / n
+
+    if args.eval:
+        v = evaluate(("train.bin", "val.bin"))
+        rows = sum(os.path.getsize(os.path.join(args.data, f)) for f in ("train.bin", "val.bin")) // (2 * c.seq_len)
+        log(f"held-out loss of {ckpt_path} (step {step}) on {min(rows, args.eval_rows):,} rows of {args.data}: {v:.4f}")
+        return v
 
     def save():
         if rank == 0:
@@ -347,7 +358,7 @@ def main(argv=None):
     while True:
         elapsed = time.time() - t_start
         x = step / args.steps if args.steps else elapsed / args.time
-        flag = torch.tensor([len(stop) > 0 or x >= 1])
+        flag = torch.tensor([len(stop) > 0 or x >= 1], device=device)
         if ddp:  # all ranks must leave the loop at the same step
             dist.all_reduce(flag, dist.ReduceOp.MAX)
         if flag.item():
@@ -400,7 +411,7 @@ def main(argv=None):
         log(f"stopped by signal {stop[0]} at step {step}: {ckpt_path} saved; continue with --resume")
         raise SystemExit(128 + stop[0])
     if ddp:  # replicas must hold identical weights after training
-        sums = torch.stack([p.detach().double().sum().cpu() for p in raw.parameters()])
+        sums = torch.stack([p.detach().double().sum() for p in raw.parameters()])
         all_sums = [torch.zeros_like(sums) for _ in range(world)]
         dist.all_gather(all_sums, sums)
         agree = all(torch.equal(all_sums[0], s) for s in all_sums)

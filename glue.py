@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import die, download, normalize, load_tokenizer
+from prepare import die, download, load_tokenizer, normalize, rate
 from cram import ModelConfig, Crammed, load_checkpoint, pick_device
 
 GLUE_URL = "https://dl.fbaipublicfiles.com/glue/data/{}.zip"
@@ -262,11 +262,10 @@ def finetune(ckpt, task, train, devs, args, trial, device, pad):
             opt.step()
             step, seen, loss_sum, loss_n = step + 1, seen + len(y), loss_sum + loss.detach(), loss_n + 1
             if step % per_epoch == 0 or time.time() - last > 30:
-                el, last = time.time() - t0, time.time()
-                left = el / step * (total * (args.trials - trial) - step)  # the rest of this task's trials
+                last = time.time()
                 print(f"{task} trial {trial + 1}/{args.trials} epoch {epoch + 1}/{args.epochs} step {step}/{total}"
-                      f" | loss {loss_sum.item() / loss_n:.4f} | lr {lr:.2e} | {seen / el:,.0f} ex/s"
-                      f" | ETA {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}", flush=True)
+                      f" | loss {loss_sum.item() / loss_n:.4f} | lr {lr:.2e} | {rate(seen, n * args.epochs, t0, 'ex')}",
+                      flush=True)
                 loss_sum, loss_n = torch.zeros((), device=device), 0
     model.eval()
     results = {}
@@ -355,7 +354,8 @@ def main(argv=None):
             trials[split] = [r[split] for r in runs]
             results[split] = {m: float(np.median([r[m] for r in trials[split]])) for m in trials[split][0]}
             print(f"{split}: " + ", ".join(f"{m} {v:.2f}" for m, v in results[split].items())
-                  + (f" (median of {args.trials} trials)" if args.trials > 1 else ""), flush=True)
+                  + (f" (median of {args.trials} trials)" if args.trials > 1 else "") + f", {time.time() - t0:.0f}s",
+                  flush=True)
         save(out, results, trials, args)
     print_table("this run, random init" if args.random_init else f"this run ({os.path.basename(args.ckpt)})", results)
     print(f"wrote {out}")

@@ -353,6 +353,18 @@ def test_bench_prints_tokens_per_second(capsys):
     assert tok_s > 0 and f"tokens/s={tok_s:.0f}" in last
 
 
+def test_eval_on_held_out_text(tmp_path, data, capsys):
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "3", *TINY])
+    meta, held = prep(str(tmp_path), make_docs(40, seed=11), "--tokenizer", data, name="held")
+    rows = meta["train"]["rows"] + meta["val"]["rows"]
+    v = cram.main(["--data", held, "--out", str(tmp_path), "--eval", *TINY, "--eval-rows", "100000"])
+    assert f"on {rows:,} rows of {held}: {v:.4f}" in capsys.readouterr().out and 3 < v < 7
+    assert v == cram.main(["--data", held, "--out", str(tmp_path), "--eval", *TINY, "--eval-rows", "100000"])
+    _, other = prep(str(tmp_path), make_docs(200, seed=12), name="other")  # a tokenizer of its own
+    with pytest.raises(SystemExit, match="trained with another tokenizer"):
+        cram.main(["--data", other, "--out", str(tmp_path), "--eval", *TINY])
+
+
 def test_clear_errors(tmp_path, data):
     with pytest.raises(SystemExit, match="run `python prepare.py` first"):
         cram.main(["--data", str(tmp_path / "none"), "--out", str(tmp_path), *TINY])
