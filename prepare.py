@@ -278,6 +278,7 @@ def main(argv=None):
         die(f"--seq-len {args.seq_len}: must be at least 2")
     times, t_start = {}, time.time()
 
+    reused = tokenizer_dict(args.tokenizer) if args.tokenizer else None  # read before --out may be cleared
     if args.input:
         files = input_files(args.input)
     else:
@@ -290,8 +291,8 @@ def main(argv=None):
         os.remove(meta_path)  # a failed run must not leave an old meta.json vouching for new files
 
     stats = Counter(bad_lines=0)
-    if args.tokenizer:
-        tok = tokenizer_dict(args.tokenizer)
+    if reused:
+        tok = reused
     else:
         t0, counts, size = time.time(), Counter(), 0
         for text in clean(files, Counter(bad_lines=0), progress="tokenizer sample"):

@@ -151,6 +151,9 @@ def test_reuse_tokenizer(tmp_path, data):
     meta, out = prep(str(tmp_path), make_docs(50, seed=9), "--tokenizer", data, name="held")
     assert open(os.path.join(out, "tokenizer.tiktoken")).read() == open(os.path.join(data, "tokenizer.tiktoken")).read()
     assert meta["vocab_size"] == 350
+    again = prepare.main(["--input", os.path.join(str(tmp_path), "held.jsonl"), "--out", out, "--tokenizer", out,
+                          "--vocab-size", "350", "--seq-len", "32", "--trash", "1"])  # into its own folder
+    assert again == meta
 
 
 def test_bad_inputs(tmp_path, capsys):
