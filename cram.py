@@ -177,7 +177,7 @@ def pick_device(name=None):
 
 # ----------------------------------------------------------------------------- training
 
-PRESETS = {  # the paper's model and batch; a CPU-sized model that leaves the unigram plateau in minutes
+PRESETS = {  # the paper's model and batch; a CPU-sized model with small batches: leaving the plateau takes steps
     "crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=128, batch_size=8192, lr=1e-3),
     "tiny": dict(layers=4, width=256, heads=4, ffn=1024, micro_batch=32, batch_size=64, lr=2e-3),
 }
@@ -189,8 +189,9 @@ def get_args(argv=None):
     ap.add_argument("--out", default="out", help="folder for ckpt.pt and log.jsonl")
     ap.add_argument("--time", type=float, default=86400, help="wall-clock budget in seconds, compilation included")
     ap.add_argument("--steps", type=int, help="budget in optimizer steps instead of seconds (reproducible runs)")
-    ap.add_argument("--preset", choices=PRESETS, default="crammed", help="crammed: the paper's model; tiny: "
-                    "4x256 for CPU demos (2 cores: leaves the unigram plateau, loss ~7.5, after ~PLATEAU)")
+    ap.add_argument("--preset", choices=PRESETS, default="crammed", help="crammed: the paper's model; tiny: 4x256 "
+                    "for CPU demos (2 cores, 32k vocab: on the unigram plateau, loss ~7.1, for its first ~2.5 min, "
+                    "then it learns from context: ~6.7 at 10 min, ~6.4 at 20 min)")
     for k in ("layers", "width", "heads", "ffn"):
         ap.add_argument(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
     ap.add_argument("--micro-batch", type=int, help="sequences per forward pass (crammed: 128, fits 24 GB; tiny: 32)")

@@ -264,7 +264,8 @@ class Packer:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", help="local .txt/.txt.gz (blank-line separated) or .jsonl/.jsonl.gz/.json.gz files or folders; default: download C4")
-    ap.add_argument("--shards", type=int, default=32, help="C4 train shards to download (~800 MB text, ~0.17 B tokens each, estimated; 32 ~ the paper's 5.5 B)")
+    ap.add_argument("--shards", type=int, default=32, help="C4 train shards to download; each is ~320 MB of gzip, ~0.8 GB of text, "
+                    "~0.17 B tokens (an estimate from C4's published size); 32 ~ the paper's 5.5 B tokens")
     ap.add_argument("--out", default="data", help="output folder: train.bin, val.bin, tokenizer.tiktoken, meta.json")
     ap.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size including the 4 special tokens")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per packed row")
