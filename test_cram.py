@@ -49,8 +49,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.hits.append((self.path, self.headers.get("Range")))
         body = self.FILES.get(self.path)
-        if body is None:
-            self.send_error(404)
+        if not isinstance(body, bytes):
+            self.send_error(body or 404)
             return
         start = int(self.headers["Range"][6:].split("-")[0]) if self.headers.get("Range") else 0
         self.send_response(206 if start else 200)
@@ -217,7 +217,11 @@ def test_download(tmp_path, http_server):
     assert open(tmp_path / "cut.bin", "rb").read() == body
     with pytest.raises(SystemExit, match=r"download failed: .*/missing.*HTTP 404"):
         prepare.download(url + "/missing", str(tmp_path / "m"))
-    assert not os.path.exists(tmp_path / "m")
+    assert not os.path.exists(tmp_path / "m") and len([p for p, _ in h.hits if p == "/missing"]) == 1  # no retry
+    h.FILES["/busy"] = 500
+    with pytest.raises(SystemExit, match=r"download failed: .*/busy.*HTTP 500"):
+        prepare.download(url + "/busy", str(tmp_path / "b"))
+    assert len([p for p, _ in h.hits if p == "/busy"]) == prepare.RETRIES  # server errors are retried
 
 
 def test_c4_download_path(tmp_path, http_server, monkeypatch):
@@ -366,6 +370,20 @@ def test_eval_on_held_out_text(tmp_path, data, capsys):
     _, other = prep(str(tmp_path), make_docs(200, seed=12), name="other")  # a tokenizer of its own
     with pytest.raises(SystemExit, match="trained with another tokenizer"):
         cram.main(["--data", other, "--out", str(tmp_path), "--eval", *TINY])
+
+
+def test_non_finite_steps_are_skipped_then_abort(tmp_path, data, monkeypatch):
+    ce = cram.F.cross_entropy
+    monkeypatch.setattr(cram.F, "cross_entropy", lambda *a, **k: ce(*a, **k) * float("nan"))
+    with pytest.raises(SystemExit, match="not finite for 20 steps in a row at step 19"):
+        cram.main(["--data", data, "--out", str(tmp_path), "--steps", "100", *TINY])
+    calls = iter(range(10 ** 6))
+
+    def flaky(*a, **k):  # three bad micro-batches at the start: skipped, counted, then training goes on
+        return ce(*a, **k) * (float("nan") if next(calls) < 3 else 1.0)
+    monkeypatch.setattr(cram.F, "cross_entropy", flaky)
+    cram.main(["--data", data, "--out", str(tmp_path / "b"), "--steps", "10", *TINY])
+    assert records(str(tmp_path / "b"))[-2]["skipped"] == 3 and cram.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"))["skipped"] == 3
 
 
 def test_clear_errors(tmp_path, data):
