@@ -10,7 +10,7 @@ Everything is scheduled on the clock (Geiping & Goldstein 2023): with x the frac
 budget used, the learning rate is peak x min(0.25 + x, 4(1 - x)) and the batch grows by
 gradient accumulation until it reaches --batch-size at 60% of the budget.
 """
-import argparse, contextlib, json, math, os, signal, sys, time
+import argparse, contextlib, json, os, signal, time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -259,8 +259,8 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)
     raw = Crammed(c).to(device)
-    decay = [p for n, p in raw.named_parameters() if p.dim() >= 2]  # not LayerNorms, not the position scale
-    rest = [p for n, p in raw.named_parameters() if p.dim() < 2]
+    decay = [p for p in raw.parameters() if p.dim() >= 2]  # not LayerNorms, not the position scale
+    rest = [p for p in raw.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-12, fused=device.type == "cuda")
     step, seqs, elapsed, skipped, epoch, pos = 0, 0, 0.0, 0, 0, 0

@@ -268,7 +268,7 @@ def test_sparse_prediction_equals_dense_and_initial_loss():
 
 
 def test_masking_counts_and_80_10_10():
-    V, specials = 1000, torch.tensor([996, 997, 998, 999])
+    specials = torch.tensor([996, 997, 998, 999])
     rows = torch.randint(0, 996, (400, 128))
     rows[:, ::10] = 998  # [SEP]s must never be masked
     gen = torch.Generator().manual_seed(1)
