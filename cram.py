@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import die, tokenizer_dict
+from prepare import die, read_prepared
 
 # ----------------------------------------------------------------------------- the model
 
@@ -246,7 +246,7 @@ def main(argv=None):
         except (OSError, ValueError) as e:
             die(f"{args.data}/meta.json: no prepared data ({e}); run `python prepare.py` first")
         c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width, args.heads, args.ffn)
-        tok = tokenizer_dict(args.data)
+        tok = read_prepared(args.data)[1]
         if ckpt and (ckpt["model_config"]["vocab_size"], ckpt["model_config"]["seq_len"]) != (c.vocab_size, c.seq_len):
             die(f"{ckpt_path}: vocab {ckpt['model_config']['vocab_size']} / seq len {ckpt['model_config']['seq_len']} "
                 f"do not match {args.data} ({c.vocab_size} / {c.seq_len})")

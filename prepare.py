@@ -36,6 +36,29 @@ def rate(done, total, t0, unit):
     return f"{r:,.1f} {unit}/s, ETA {int(left) // 60}:{int(left) % 60:02d}"
 
 
+class Progress:
+    """The one progress line of every long step, at most every `every` seconds, on stderr:
+    Progress("tokenize", 105, "MB")(52.5) -> 'tokenize: 52.5/105.0 MB, 2.6 MB/s, ETA 0:20'."""
+
+    def __init__(self, what, total=0, unit="", every=2.0):
+        self.what, self.total, self.unit, self.every = what, total, unit, every
+        self.t0 = self.last = time.time()
+
+    def __call__(self, done, extra="", force=False):
+        now = time.time()
+        if not force and now - self.last < self.every:
+            return
+        self.last = now
+        r = done / max(now - self.t0, 1e-9)
+        line = f"{self.what}: {done:,.1f}"
+        if self.total:
+            left = int((self.total - done) / r) if r > 0 else 0
+            line += f"/{self.total:,.1f} {self.unit}, {r:,.1f} {self.unit}/s, ETA {left // 60}:{left % 60:02d}"
+        else:
+            line += f" {self.unit}, {r:,.1f} {self.unit}/s"
+        print(line + extra, file=sys.stderr, flush=True)
+
+
 # ----------------------------------------------------------------------------- download
 def download(url, path):
     """Stream url to path.part, resume it with a Range request, rename when complete."""
@@ -227,15 +250,27 @@ def load_tokenizer(tok):
                              special_tokens=tok["special_tokens"])
 
 
-def tokenizer_dict(data_dir):
-    """The tokenizer of a prepared folder, as one self-contained dict."""
+def read_prepared(folder):
+    """(meta, tokenizer dict, {"train": rows, "val": rows}) of a folder written by prepare.py;
+    rows are read-only memmaps of shape (N, seq_len). The one place that reads a prepared folder.
+    File sizes are checked against meta.json (cheap), so a damaged .bin is named at start-up."""
     try:
-        with open(os.path.join(data_dir, "meta.json")) as f:
+        with open(os.path.join(folder, "meta.json")) as f:
             meta = json.load(f)
-        with open(os.path.join(data_dir, meta["tokenizer_file"])) as f:
-            return {"ranks": f.read(), "pattern": meta["pattern"], "special_tokens": meta["special_tokens"]}
-    except (OSError, ValueError, KeyError) as e:
-        die(f"{data_dir}: no prepared tokenizer here ({e}); run prepare.py first")
+        with open(os.path.join(folder, meta["tokenizer_file"])) as f:
+            tok = {"ranks": f.read(), "pattern": meta["pattern"],
+                   "special_tokens": meta["special_tokens"]}
+        rows = {}
+        for split in ("train", "val"):
+            path = os.path.join(folder, f"{split}.bin")
+            size = os.path.getsize(path) if os.path.exists(path) else None
+            if size != meta[split]["bytes"]:
+                die(f"{path}: {'missing' if size is None else f'{size:,} bytes'}, but meta.json says "
+                    f"{meta[split]['bytes']:,}: damaged; run prepare.py again")
+            rows[split] = np.memmap(path, dtype=np.uint16, mode="r").reshape(-1, meta["seq_len"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        die(f"{folder}: no prepared data ({type(e).__name__}: {e}); run prepare.py --out {folder}")
+    return meta, tok, rows
 
 
 # ----------------------------------------------------------------------------- packing
@@ -279,7 +314,7 @@ def main(argv=None):
         die(f"--seq-len {args.seq_len}: must be at least 2")
     times, t_start = {}, time.time()
 
-    reused = tokenizer_dict(args.tokenizer) if args.tokenizer else None  # read before --out may be cleared
+    reused = read_prepared(args.tokenizer)[1] if args.tokenizer else None  # read before --out may be cleared
     if args.input:
         files = input_files(args.input)
     else:
