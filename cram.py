@@ -1,16 +1,17 @@
 """
 cram.py: pretrain the paper's final "crammed BERT" on one GPU within a wall-clock budget.
 
-    python cram.py --time 86400                    # the paper's day, on data/ from prepare.py
-    python cram.py --preset tiny --time 1200       # a CPU demo that visibly learns
-    python cram.py --bench                         # throughput (tokens/s, MFU) on random tokens
-    torchrun --nproc_per_node 8 cram.py ...        # several GPUs (DDP)
+    python cram.py --time 86400                  # the paper's day, on data/ from prepare.py
+    python cram.py --preset tiny --time 600      # a CPU demo that visibly learns
+    python cram.py --fill "the capital of france is [MASK]."    # ask the trained model
+    python cram.py --bench                       # throughput (tokens/s, MFU) on random tokens
+    torchrun --nproc_per_node 8 cram.py ...      # several GPUs (DDP)
 
 Everything is scheduled on the clock (Geiping & Goldstein 2023): with x the fraction of the
 budget used, the learning rate is peak x min(0.25 + x, 4(1 - x)) and the batch grows by
 gradient accumulation until it reaches --batch-size at 60% of the budget.
 """
-import argparse, contextlib, json, os, signal, time
+import argparse, contextlib, fcntl, json, math, os, signal, time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -19,11 +20,40 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import die, read_prepared
+from prepare import SPECIALS, Progress, die, load_tokenizer, normalize, read_prepared
+
+# ----------------------------------------------------------------------------- the recipe
+BUDGET = 86400          # seconds: one day on one GPU, compilation included
+LR = 1e-3               # peak AdamW learning rate
+BETAS = (0.9, 0.98)     # a shorter second-moment memory than Adam's 0.999: steadier with big lr
+EPS = 1e-12             # v2's AdamW epsilon
+WEIGHT_DECAY = 0.01     # on weight matrices and embeddings only, not LayerNorms or the scale
+CLIP = 0.5              # gradient-norm clipping: the paper's guard against loss spikes
+LR_START = 0.25         # budget-triangle2: lr starts at 25% of the peak ...
+LR_FALL = 4.0           # ... and falls as 4(1 - x), so it peaks at x = 0.75 and ends at zero
+RAMP_END = 0.6          # the batch reaches --batch-size at 60% of the budget
+MICRO_BATCH = 128       # sequences per forward pass (v2's default for a 24 GB GPU)
+BATCH_SIZE = 8192       # sequences per optimizer step at the end of the ramp
+MASK_RATE = 0.25        # v2 masks 25% of the tokens (BERT: 15%): more signal per sequence
+MASK_AS_MASK = 0.8      # of the masked: 80% become [MASK], 10% a random token, 10% stay
+MASK_AS_RANDOM = 0.1
+INIT_STD = 0.02         # normal init of every linear and embedding weight
+LN_EPS = 1e-12          # LayerNorm epsilon of the official model
+MAX_BAD_STEPS = 20      # non-finite steps in a row before the run gives up
+EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
+PRESETS = {
+    # the paper's model and batch, for a GPU day
+    "crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=MICRO_BATCH,
+                    batch_size=BATCH_SIZE, lr=LR),
+    # a CPU demo: a 4x256 model; on 2 cores, leaving the plateau takes many small steps
+    "tiny": dict(layers=4, width=256, heads=4, ffn=1024, micro_batch=32, batch_size=64, lr=2e-3),
+}
+PEAK_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "GH200": 989, "A100": 312,
+               "L40S": 362, "A6000": 155, "4090": 165, "3090": 71, "L4": 121, "A10": 125}
+STOP = []  # signals received: the loop saves and exits at the next step
+
 
 # ----------------------------------------------------------------------------- the model
-
-
 @dataclass
 class ModelConfig:
     vocab_size: int = 32768
@@ -31,135 +61,189 @@ class ModelConfig:
     layers: int = 16
     width: int = 768
     heads: int = 12
-    ffn: int = 3072  # split into value and gate halves of ffn/2
+    ffn: int = 3072       # split into value and gate halves of ffn/2
     dropout: float = 0.0  # none in pretraining; glue.py fine-tunes with 0.1
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block with a gated-GELU MLP and no biases in linear layers."""
+class Attention(nn.Module):
+    """Multi-head self-attention with no biases; `mask` marks the keys that may be attended."""
 
     def __init__(self, c):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(c.width, eps=1e-12), nn.LayerNorm(c.width, eps=1e-12)
+        self.heads, self.dropout = c.heads, c.dropout
         self.qkv = nn.Linear(c.width, 3 * c.width, bias=False)
         self.proj = nn.Linear(c.width, c.width, bias=False)
-        self.fc = nn.Linear(c.width, c.ffn, bias=False)
-        self.out = nn.Linear(c.ffn // 2, c.width, bias=False)
-        self.heads, self.drop = c.heads, nn.Dropout(c.dropout)
+        self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x, mask=None):
         B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.drop.p if self.training else 0.0)
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
-        value, gate = self.fc(self.ln2(x)).chunk(2, dim=-1)
-        return x + self.drop(self.out(value * F.gelu(gate)))
+        qkv = self.qkv(x).view(B, T, 3, self.heads, C // self.heads)  # (B, T, 3, heads, head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, heads, T, head_dim)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, width): heads side by side again
+        return self.drop(self.proj(y))
+
+
+class GatedMLP(nn.Module):
+    """GELU-GLU: width -> ffn, split into value and gate, value * GELU(gate) -> width."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.fc = nn.Linear(c.width, c.ffn, bias=False)
+        self.out = nn.Linear(c.ffn // 2, c.width, bias=False)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x):
+        value, gate = self.fc(x).chunk(2, dim=-1)  # each (B, T, ffn/2)
+        return self.drop(self.out(value * F.gelu(gate)))
+
+
+class Block(nn.Module):
+    """Pre-normalisation: each sublayer reads a LayerNorm of the residual stream and adds to it."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(c.width, eps=LN_EPS)
+        self.attn = Attention(c)
+        self.ln_2 = nn.LayerNorm(c.width, eps=LN_EPS)
+        self.mlp = GatedMLP(c)
+
+    def forward(self, x, mask=None):
+        x = x + self.attn(self.ln_1(x), mask)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+def sinusoid(seq_len, width):
+    """The fixed sinusoidal position table (seq_len, width) of "Attention is all you need"."""
+    t = torch.arange(seq_len)[:, None]
+    freq = 10000 ** (-torch.arange(0, width, 2) / width)
+    table = torch.zeros(seq_len, width)
+    table[:, 0::2] = torch.sin(t * freq)
+    table[:, 1::2] = torch.cos(t * freq)
+    return table
 
 
 class Crammed(nn.Module):
+    """The crammed BERT: embeddings -> LayerNorm -> pre-norm blocks -> final LayerNorm."""
+
     def __init__(self, c):
         super().__init__()
         self.config = c
         self.emb = nn.Embedding(c.vocab_size, c.width)
-        # scaled sinusoidal positions: a fixed sinusoid times one learnable scalar
-        t, i = torch.arange(c.seq_len)[:, None], torch.arange(0, c.width, 2)
-        pos = torch.zeros(c.seq_len, c.width)
-        pos[:, 0::2], pos[:, 1::2] = torch.sin(t / 10000 ** (i / c.width)), torch.cos(t / 10000 ** (i / c.width))
-        self.register_buffer("pos", pos, persistent=False)
-        self.pos_scale = nn.Parameter(torch.tensor(c.width ** -0.5))
-        self.emb_ln, self.ln_f = nn.LayerNorm(c.width, eps=1e-12), nn.LayerNorm(c.width, eps=1e-12)
+        self.register_buffer("sinusoid", sinusoid(c.seq_len, c.width), persistent=False)
+        self.pos_scale = nn.Parameter(torch.tensor(c.width ** -0.5))  # scaled sinusoidal positions
+        self.emb_ln = nn.LayerNorm(c.width, eps=LN_EPS)
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln_f = nn.LayerNorm(c.width, eps=LN_EPS)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, 0.0, 0.02)
+                nn.init.normal_(m.weight, 0.0, INIT_STD)
 
     def forward(self, idx, attn_mask=None, positions=None, labels=None):
-        """Hidden states (B, T, width); with positions and labels, the masked-LM loss instead."""
-        x = self.drop(self.emb_ln(self.emb(idx) + self.pos_scale * self.pos[: idx.size(1)]))
-        mask = None if attn_mask is None else attn_mask[:, None, None, :]
+        """Hidden states (B, T, width) of ids (B, T); given masked positions and their labels,
+        the masked-LM loss instead."""
+        x = self.emb(idx) + self.pos_scale * self.sinusoid[: idx.size(1)]  # (B, T, width)
+        x = self.drop(self.emb_ln(x))
+        mask = None if attn_mask is None else attn_mask[:, None, None, :]  # (B, 1, 1, T)
         for block in self.blocks:
             x = block(x, mask)
         x = self.ln_f(x)
         if positions is None:
             return x
-        # sparse prediction: the tied decoder runs only on the masked positions (a quarter of them)
-        x = x.gather(1, positions[..., None].expand(-1, -1, x.size(-1)))
-        return F.cross_entropy((x @ self.emb.weight.T).flatten(0, 1), labels.flatten(), ignore_index=-100)
+        logits = self.decode(x, positions)  # (B, masked, vocab)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    def decode(self, hidden, positions):
+        """Sparse prediction: the tied decoder (the embedding matrix, transposed) runs only on
+        the masked positions (B, masked), a quarter of the tokens."""
+        x = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.size(-1)))
+        return x @ self.emb.weight.T  # (B, masked, vocab)
 
 
-def flops_per_token(c, mask_rate=0.25):
-    """Training FLOPs (forward + backward = 6 x multiply-adds) per token, as in the paper's count."""
+def flops_per_token(c):
+    """Training FLOPs per token (forward + backward = 3 x 2 x multiply-adds), the paper's count."""
     matmul = c.layers * (4 * c.width ** 2 + c.width * c.ffn + c.ffn // 2 * c.width)
     attention = 12 * c.layers * c.seq_len * c.width
-    return 6 * matmul + attention + 6 * c.width * c.vocab_size * mask_rate
-
-
-PEAK_TFLOPS = [("H100 PCIe", 756), ("H100", 989), ("H200", 989), ("GH200", 989), ("A100", 312), ("L40S", 362),
-               ("A6000", 155), ("4090", 165), ("3090", 71), ("L4", 121), ("A10", 125)]  # dense bf16
+    return 6 * matmul + attention + 6 * c.width * c.vocab_size * MASK_RATE
 
 
 # ----------------------------------------------------------------------------- the objective
-
-
-def mask_rows(rows, special_ids, mask_id, n_ordinary, gen, rate=0.25):
-    """Exactly round(rate x T) masked positions per row (static shapes), never a special token;
-    80% become [MASK], 10% a random token, 10% stay. Returns inputs, positions, labels."""
+def mask_rows(rows, special_ids, mask_id, n_ordinary, gen):
+    """Masked LM with static shapes: exactly round(0.25 x T) positions per row, never a special
+    token. Of those, 80% become [MASK], 10% a random token, 10% stay. For T=8 and [SEP]=9:
+    rows=[[5, 6, 7, 9, 1, 2, 3, 4]] -> positions=[[1, 6]], labels=[[6, 3]],
+    inputs=[[5, M, 7, 9, 1, 2, M, 4]]. Returns inputs, positions, labels (-100: ignore)."""
     B, T = rows.shape
     special = torch.isin(rows, special_ids)
-    pos = torch.rand(B, T, generator=gen).masked_fill(special, 2.0).topk(round(rate * T), dim=1, largest=False).indices
-    orig = rows.gather(1, pos)
-    r = torch.rand(pos.shape, generator=gen)
-    new = torch.where(r < 0.8, mask_id, torch.where(r < 0.9, torch.randint(0, n_ordinary, pos.shape, generator=gen), orig))
-    hit = torch.isin(orig, special_ids)  # only in rows with too few ordinary tokens
-    inputs = rows.scatter(1, pos, torch.where(hit, orig, new))
-    return inputs, pos, orig.masked_fill(hit, -100)
+    noise = torch.rand(B, T, generator=gen).masked_fill(special, 2.0)  # specials sort last
+    positions = noise.topk(round(MASK_RATE * T), dim=1, largest=False).indices  # (B, masked)
+    labels = rows.gather(1, positions)
+    r = torch.rand(positions.shape, generator=gen)
+    random_ids = torch.randint(0, n_ordinary, positions.shape, generator=gen)
+    new = torch.where(r < MASK_AS_MASK + MASK_AS_RANDOM, random_ids, labels)
+    new = torch.where(r < MASK_AS_MASK, mask_id, new)
+    hit = torch.isin(labels, special_ids)  # only in rows with fewer ordinary tokens than masks
+    inputs = rows.scatter(1, positions, torch.where(hit, labels, new))
+    return inputs, positions, labels.masked_fill(hit, -100)
 
 
 def schedule(x, peak):
-    """budget-triangle2: 25% of peak at the start, the peak at 75% of the budget, zero at the end."""
-    return peak * min(0.25 + x, 4 * (1 - x))
+    """budget-triangle2: 25% of the peak at the start, the peak at 75% of the budget, 0 at the end."""
+    return peak * min(LR_START + x, LR_FALL * (1 - x))
 
 
 def ramp(x, batch_size, micro):
-    """Micro-batches per optimizer step: the batch grows linearly to batch_size at 60% of the budget."""
-    return max(1, round(batch_size / micro * min(1.0, x / 0.6)))
+    """Micro-batches per step: the batch grows linearly to batch_size at 60% of the budget."""
+    return max(1, round(batch_size / micro * min(1.0, x / RAMP_END)))
 
 
 class Batches:
-    """Rows of a packed .bin in a seeded random order, a new permutation every epoch.
-    The position (epoch, pos) is all the state there is, so a resumed run reads the same rows."""
+    """Rows in a seeded random order, a new permutation every epoch; (epoch, pos) is all the
+    state there is, so a resumed run reads the same rows. Each rank reads its own slice."""
 
-    def __init__(self, path, seq_len, micro, seed, rank=0, world=1, epoch=0, pos=0):
-        self.rows = np.memmap(path, dtype=np.uint16, mode="r").reshape(-1, seq_len)
-        if len(self.rows) < micro * world:
-            die(f"{path}: {len(self.rows)} rows, fewer than one micro-batch of {micro * world}; lower --micro-batch")
-        self.micro, self.seed, self.rank, self.world, self.epoch, self.pos = micro, seed, rank, world, epoch, pos
-        self.perm, self.perm_epoch = None, -1
+    def __init__(self, rows, micro, seed, rank=0, world=1, epoch=0, pos=0):
+        if len(rows) < micro * world:
+            die(f"{len(rows)} training rows, fewer than one micro-batch of {micro * world}: "
+                f"lower --micro-batch")
+        self.rows, self.micro, self.seed, self.rank, self.world = rows, micro, seed, rank, world
+        self.epoch, self.pos, self.perm_epoch = epoch, pos, None
 
     def __next__(self):
         if self.pos + self.micro * self.world > len(self.rows):
             self.epoch, self.pos = self.epoch + 1, 0
         if self.perm_epoch != self.epoch:
-            self.perm, self.perm_epoch = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.rows)), self.epoch
+            rng = np.random.default_rng((self.seed, self.epoch))
+            self.perm, self.perm_epoch = rng.permutation(len(self.rows)), self.epoch
         start = self.pos + self.rank * self.micro
         self.pos += self.micro * self.world
-        return torch.from_numpy(self.rows[np.sort(self.perm[start:start + self.micro])].astype(np.int64))
+        picked = np.sort(self.perm[start:start + self.micro])  # sorted: memmap reads go forward
+        return torch.from_numpy(self.rows[picked].astype(np.int64))
 
 
 # ----------------------------------------------------------------------------- checkpoints
-
-
 def load_checkpoint(path):
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         die(f"{path}: no checkpoint here")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
+    except Exception as e:  # torch raises many kinds for a damaged file
         die(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__}: {str(e)[:120]})")
     if not isinstance(ckpt, dict) or ckpt.get("format") != "cram-ckpt-1":
         die(f"{path}: not a cram checkpoint")
     return ckpt
+
+
+def load_model(ckpt, path, **overrides):
+    """The Crammed model of a checkpoint, with config fields overridden (e.g. dropout)."""
+    model = Crammed(ModelConfig(**{**ckpt["model_config"], **overrides}))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        die(f"{path}: weights do not fit its model_config ({str(e).splitlines()[0]})")
+    return model
 
 
 def save_checkpoint(path, ckpt):
@@ -172,260 +256,445 @@ def save_checkpoint(path, ckpt):
 
 
 def pick_device(name=None):
-    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        die(f"--device {name}: {e}")
 
 
-# ----------------------------------------------------------------------------- training
+def claim_out(out, resume):
+    """Never silently replace a run, and never share --out with another running cram.py."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        lock = open(os.path.join(out, "lock"), "w")
+    except OSError as e:
+        die(f"--out {out}: cannot write there ({e.strerror})")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when this process ends
+    except OSError:
+        die(f"--out {out}: another cram.py is training into it; wait for it or use another --out")
+    found = [f for f in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, f))]
+    if found and not resume:
+        die(f"--out {out} holds a run ({', '.join(found)}): continue it with --resume, or start "
+            f"over with another --out or after deleting {out}")
+    return lock
 
-PRESETS = {  # the paper's model and batch; a CPU-sized model with small batches: leaving the plateau takes steps
-    "crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=128, batch_size=8192, lr=1e-3),
-    "tiny": dict(layers=4, width=256, heads=4, ffn=1024, micro_batch=32, batch_size=64, lr=2e-3),
-}
+
+# ----------------------------------------------------------------------------- arguments
+POSITIVE = ["time", "steps", "layers", "width", "heads", "ffn", "micro_batch", "batch_size", "lr",
+            "save_every", "eval_rows", "bench_steps", "peak_tflops"]
 
 
 def get_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="data", help="folder written by prepare.py (train.bin, val.bin, meta.json)")
-    ap.add_argument("--out", default="out", help="folder for ckpt.pt and log.jsonl")
-    ap.add_argument("--time", type=float, default=86400, help="wall-clock budget in seconds, compilation included")
-    ap.add_argument("--steps", type=int, help="budget in optimizer steps instead of seconds (reproducible runs)")
-    ap.add_argument("--preset", choices=PRESETS, default="crammed", help="crammed: the paper's model; tiny: 4x256 "
-                    "for CPU demos (2 cores, 32k vocab: on the unigram plateau, loss ~7.1, for its first ~2.5 min, "
-                    "then it learns from context: ~6.7 at 10 min, ~6.4 at 20 min)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    arg = ap.add_argument
+    arg("--data", default="data", help="folder written by prepare.py")
+    arg("--out", default="out", help="folder for ckpt.pt and log.jsonl")
+    arg("--time", type=float, default=BUDGET, help="budget in seconds, compilation included")
+    arg("--steps", type=int, help="budget in optimizer steps instead (reproducible runs)")
+    arg("--preset", choices=PRESETS, default="crammed",
+        help="crammed: the paper's model and batch; tiny: a CPU demo")
     for k in ("layers", "width", "heads", "ffn"):
-        ap.add_argument(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
-    ap.add_argument("--micro-batch", type=int, help="sequences per forward pass (crammed: 128, fits 24 GB; tiny: 32)")
-    ap.add_argument("--batch-size", type=int, help="sequences per optimizer step at the end of the ramp (crammed: 8192; tiny: 64)")
-    ap.add_argument("--lr", type=float, help="peak learning rate (crammed: 1e-3; tiny: 2e-3)")
-    ap.add_argument("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
-    ap.add_argument("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
-    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it is on by default on CUDA)")
-    ap.add_argument("--log-every", type=float, default=10, help="seconds between log lines")
-    ap.add_argument("--eval-every", type=float, default=0, help="seconds between held-out evaluations (0: only at the end)")
-    ap.add_argument("--eval-rows", type=int, default=2048, help="val.bin rows used for the held-out MLM loss")
-    ap.add_argument("--save-every", type=float, default=1800, help="seconds between checkpoints")
-    ap.add_argument("--resume", action="store_true", help="continue OUT/ckpt.pt exactly where it stopped")
-    ap.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: looked up for known GPUs)")
-    ap.add_argument("--eval", action="store_true", help="only report OUT/ckpt.pt's MLM loss on all of DATA's rows "
-                    "(e.g. held-out text prepared with --tokenizer), up to --eval-rows")
-    ap.add_argument("--bench", action="store_true", help="time training steps on random tokens and exit")
-    ap.add_argument("--bench-steps", type=int, default=20, help="timed steps in --bench (after 3 warm-up steps)")
-    ap.add_argument("--vocab-size", type=int, default=32768, help="vocabulary for --bench (otherwise from the data)")
+        arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
+    arg("--micro-batch", type=int, help=f"sequences per forward pass ({MICRO_BATCH})")
+    arg("--batch-size", type=int, help=f"sequences per step at the end of the ramp ({BATCH_SIZE})")
+    arg("--lr", type=float, help=f"peak learning rate ({LR})")
+    arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
+    arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
+    arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
+    arg("--log-every", type=float, default=10, help="seconds between log lines")
+    arg("--eval-every", type=float, default=0, help="seconds between held-out evaluations")
+    arg("--eval-rows", type=int, default=2048, help="held-out rows for the loss and accuracy")
+    arg("--save-every", type=float, default=1800, help="seconds between checkpoints")
+    arg("--resume", action="store_true", help="continue OUT/ckpt.pt exactly where it stopped")
+    arg("--peak-tflops", type=float, help="device peak for MFU (default: known GPUs)")
+    arg("--eval", action="store_true", help="only score --ckpt on DATA's rows (e.g. held-out "
+        "text prepared with --tokenizer): masked-LM loss and accuracy")
+    arg("--fill", nargs="+", metavar="TEXT", help="print --ckpt's top 5 guesses for each [MASK]")
+    arg("--ckpt", help="checkpoint for --eval and --fill (default: OUT/ckpt.pt)")
+    arg("--bench", action="store_true", help="time training steps on random tokens and exit")
+    arg("--bench-steps", type=int, default=20, help="timed steps in --bench (after 3 warm-up)")
+    arg("--vocab-size", type=int, default=32768, help="vocabulary for --bench")
     args = ap.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    for k in POSITIVE:
+        v = getattr(args, k)
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            die(f"--{k.replace('_', '-')} {v}: must be a positive finite number")
+    for k in ("log_every", "eval_every"):
+        if not getattr(args, k) >= 0:
+            die(f"--{k.replace('_', '-')} {getattr(args, k)}: must be 0 or more")
+    if args.width % args.heads or args.ffn % 2:
+        die(f"--width {args.width} must divide by --heads {args.heads}; --ffn must be even")
+    if args.batch_size < args.micro_batch:
+        die(f"--batch-size {args.batch_size}: must be at least --micro-batch {args.micro_batch}")
+    if not 5 <= args.vocab_size <= 65536:
+        die(f"--vocab-size {args.vocab_size}: must be in 5..65536")
+    args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
     return args
 
 
-def main(argv=None):
-    args = get_args(argv)
-    ddp = "RANK" in os.environ
-    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+# ----------------------------------------------------------------------------- training
+def setup(args):
+    """(rank, world, device): under torchrun each process takes its own GPU and joins the group."""
     device = pick_device(args.device)
-    if ddp:
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    os.makedirs(args.out, exist_ok=True)
-    ckpt_path = os.path.join(args.out, "ckpt.pt")
-    ckpt = load_checkpoint(ckpt_path) if args.resume or args.eval else None
-    if ckpt:  # the schedule depends on these, so the stored run decides them
-        for k in ("time", "steps", "micro_batch", "batch_size", "lr", "seed"):
-            setattr(args, k, ckpt["args"][k])
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
 
-    if args.bench:
-        c = ModelConfig(args.vocab_size, 128, args.layers, args.width, args.heads, args.ffn)
-        tok = {"special_tokens": {s: args.vocab_size - 4 + i for i, s in enumerate(["[PAD]", "[CLS]", "[SEP]", "[MASK]"])}}
-    else:
-        try:
-            with open(os.path.join(args.data, "meta.json")) as f:
-                meta = json.load(f)
-        except (OSError, ValueError) as e:
-            die(f"{args.data}/meta.json: no prepared data ({e}); run `python prepare.py` first")
-        c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width, args.heads, args.ffn)
-        tok = read_prepared(args.data)[1]
-        if ckpt and (ckpt["model_config"]["vocab_size"], ckpt["model_config"]["seq_len"]) != (c.vocab_size, c.seq_len):
-            die(f"{ckpt_path}: vocab {ckpt['model_config']['vocab_size']} / seq len {ckpt['model_config']['seq_len']} "
-                f"do not match {args.data} ({c.vocab_size} / {c.seq_len})")
-        if ckpt and ckpt["tokenizer"]["ranks"] != tok["ranks"]:
-            die(f"{ckpt_path}: trained with another tokenizer than {args.data}; prepare it with --tokenizer")
-    if ckpt:
-        c = ModelConfig(**ckpt["model_config"])
-    if c.width % c.heads or c.ffn % 2:
-        die(f"width {c.width} must divide by heads {c.heads}, and ffn {c.ffn} must be even")
 
+def autocast(device):
+    """bf16 on the GPU: tensor-core speed, and unlike fp16 it needs no loss scaling."""
+    return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+class Masker:
+    """Masks on the CPU as a pure function of a seed, then onto the device: pinned memory lets
+    the copy overlap the GPU's work on the previous micro-batch."""
+
+    def __init__(self, specials, device):
+        self.specials = torch.tensor(sorted(specials.values()))
+        self.mask_id = specials["[MASK]"]
+        self.n_ordinary = min(specials.values())  # the special tokens come last
+        self.gen, self.device = torch.Generator(), device
+
+    def __call__(self, rows, seed):
+        self.gen.manual_seed(seed & (2 ** 63 - 1))
+        out = mask_rows(rows, self.specials, self.mask_id, self.n_ordinary, self.gen)
+        if self.device.type == "cuda":
+            out = [t.pin_memory().to(self.device, non_blocking=True) for t in out]
+        return dict(zip(("idx", "positions", "labels"), out))
+
+
+@torch.no_grad()
+def evaluate(model, sources, n_rows, masker, micro, device):
+    """Masked-LM loss and top-1 accuracy on the masked tokens of the first n_rows rows of the
+    sources, with fixed masks so that evaluations compare; reads only the rows it needs."""
+    model.eval()
+    loss, right, count, done = 0.0, 0, 0, 0
+    progress = Progress("evaluate", n_rows, "rows")
+    for rows in sources:
+        rows = rows[: n_rows - done]
+        for i in range(0, len(rows), micro):
+            b = masker(torch.from_numpy(rows[i:i + micro].astype(np.int64)), EVAL_SEED + done + i)
+            with autocast(device):
+                logits = model.decode(model(b["idx"]), b["positions"]).float()  # (B, masked, vocab)
+            keep = b["labels"] != -100
+            loss += F.cross_entropy(logits[keep], b["labels"][keep], reduction="sum").item()
+            right += (logits.argmax(-1) == b["labels"])[keep].sum().item()
+            count += keep.sum().item()
+            progress(done + i + len(b["idx"]))
+        done += len(rows)
+    model.train()
+    return loss / max(count, 1), right / max(count, 1)
+
+
+def check_data(ckpt, meta, tok, path, data):
+    """A checkpoint reads only data of its own vocabulary, row length and tokenizer."""
+    mc = ckpt["model_config"]
+    if (mc["vocab_size"], mc["seq_len"]) != (meta["vocab_size"], meta["seq_len"]):
+        die(f"{path}: vocab {mc['vocab_size']} / seq len {mc['seq_len']} do not match {data} "
+            f"({meta['vocab_size']} / {meta['seq_len']})")
+    if ckpt["tokenizer"]["ranks"] != tok["ranks"]:
+        die(f"{path}: trained with another tokenizer than {data}; prepare it with --tokenizer")
+
+
+def mfu(tok_s, c, world, peak):
+    """Model FLOPs utilisation: the share of the GPU's dense bf16 peak the training step uses."""
+    return f"{100 * flops_per_token(c) * tok_s / world / (peak * 1e12):.1f}%" if peak else "n/a"
+
+
+def build(c, args, device, ckpt=None, ddp=False):
+    """(model to call, the raw module, AdamW); from the checkpoint's state when resuming."""
     torch.manual_seed(args.seed)
     raw = Crammed(c).to(device)
-    decay = [p for p in raw.parameters() if p.dim() >= 2]  # not LayerNorms, not the position scale
+    decay = [p for p in raw.parameters() if p.dim() >= 2]  # not LayerNorms, not the scale
     rest = [p for p in raw.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98), eps=1e-12, fused=device.type == "cuda")
-    step, seqs, elapsed, skipped, epoch, pos = 0, 0, 0.0, 0, 0, 0
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
     if ckpt:
-        raw.load_state_dict(ckpt["model"])
+        raw.load_state_dict(load_model(ckpt, args.ckpt).state_dict())
         opt.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"])
-        step, seqs, elapsed, skipped, (epoch, pos) = ckpt["step"], ckpt["seqs"], ckpt["elapsed"], ckpt["skipped"], ckpt["data"]
-        log(f"resumed {ckpt_path} at step {step}, {elapsed:.0f}s of the budget used")
-    n_params = sum(p.numel() for p in raw.parameters())
-    log(f"crammed BERT: {c.layers} layers x {c.width}, {n_params / 1e6:.1f} M parameters "
-        f"({(n_params - raw.emb.weight.numel()) / 1e6:.1f} M without embeddings), {flops_per_token(c) / 1e9:.3f} GFLOP/token")
     model = raw
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         if not args.no_compile:
-            model = torch.compile(model)
-    if ddp:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    peak = args.peak_tflops or next((p for n, p in PEAK_TFLOPS if device.type == "cuda" and n in torch.cuda.get_device_name(device)), None)
-    specials = torch.tensor(sorted(tok["special_tokens"].values()))
-    mask_id, n_ordinary = tok["special_tokens"]["[MASK]"], min(tok["special_tokens"].values())  # specials come last
-    gen = torch.Generator()
+            model = torch.compile(model)  # one graph, static shapes: the masks make them so
+    if ddp:  # after loading: DDP starts by copying rank 0's weights to every rank
+        ids = [device.index] if device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    return model, raw, opt
 
-    def masked(rows, *key):  # masks are a pure function of (seed, rank, step, micro-batch): resumable
-        gen.manual_seed(hash((args.seed, rank) + key) & (2 ** 63 - 1))
-        move = (lambda t: t.pin_memory().to(device, non_blocking=True)) if device.type == "cuda" else (lambda t: t)
-        return dict(zip(("idx", "positions", "labels"), map(move, mask_rows(rows, specials, mask_id, n_ordinary, gen))))
 
-    def mfu(tok_s):
-        return f"{100 * flops_per_token(c) * tok_s / world / (peak * 1e12):.1f}%" if peak else "n/a"
+class Trainer:
+    """One pretraining run. Its state (step, sequences, elapsed seconds, skipped steps, data
+    position, weights, optimizer, RNG) is what a checkpoint holds, so --resume is exact."""
 
-    if args.bench:
-        times = []
-        for i in range(3 + args.bench_steps):
-            rows = torch.randint(0, n_ordinary, (args.micro_batch, c.seq_len))
-            t0 = time.time()
-            with autocast:
-                loss = model(**masked(rows, i))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss.item()
-            times.append(time.time() - t0)
-            log(f"bench step {i}: {times[-1] * 1e3:.0f} ms{' (warm-up)' if i < 3 else ''}")
-        tok_s = args.micro_batch * c.seq_len * world * args.bench_steps / sum(times[3:])
-        log(f"bench: {device} {torch.cuda.get_device_name(device) if device.type == 'cuda' else ''} micro-batch "
-            f"{args.micro_batch} compile={model is not raw} tokens/s={tok_s:.0f}" + (f" mfu={mfu(tok_s)}" if peak else ""))
-        return tok_s
+    def __init__(self, args, rank, world, device):
+        self.args, self.rank, self.world, self.device = args, rank, world, device
+        meta, self.tok, rows = read_prepared(args.data)
+        self.lock = claim_out(args.out, args.resume) if rank == 0 else None
+        self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
+                             args.heads, args.ffn)
+        ckpt = load_checkpoint(args.ckpt) if args.resume else None
+        self.step, self.seqs, self.elapsed, self.skipped, data_pos = 0, 0, 0.0, 0, (0, 0)
+        if ckpt:
+            check_data(ckpt, meta, self.tok, args.ckpt, args.data)
+            self.c = ModelConfig(**ckpt["model_config"])
+            for k in ("time", "steps", "micro_batch", "batch_size", "lr", "seed"):
+                setattr(args, k, ckpt["args"][k])  # the schedule depends on these: the run decides
+            self.step, self.seqs, self.elapsed = ckpt["step"], ckpt["seqs"], ckpt["elapsed"]
+            self.skipped, data_pos = ckpt["skipped"], ckpt["data"]
+        self.model, self.raw, self.opt = build(self.c, args, device, ckpt, ddp=world > 1)
+        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *data_pos)
+        self.val, self.masker = rows["val"], Masker(self.tok["special_tokens"], device)
+        self.logf = open(os.path.join(args.out, "log.jsonl"), "a") if rank == 0 else None
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        self.peak = args.peak_tflops or next((p for n, p in PEAK_TFLOPS.items() if n in name), None)
+        n = sum(p.numel() for p in self.raw.parameters())
+        self.log(f"crammed BERT: {self.c.layers} layers x {self.c.width}, {n / 1e6:.1f} M parameters, "
+                 f"{flops_per_token(self.c) / 1e9:.3f} GFLOP/token" +
+                 (f"; resumed {args.ckpt} at step {self.step}" if ckpt else ""))
 
-    def evaluate(names=("val.bin",)):
-        """Held-out MLM loss with fixed-seed masks, so that runs compare."""
-        val = np.concatenate([np.memmap(os.path.join(args.data, f), dtype=np.uint16, mode="r").reshape(-1, c.seq_len)
-                              for f in names])[: args.eval_rows]
-        raw.eval()
-        total, n = 0.0, 0
-        with torch.no_grad(), autocast:
-            for i in range(0, len(val), args.micro_batch):
-                rows = torch.from_numpy(val[i: i + args.micro_batch].astype(np.int64))
-                gen.manual_seed(1234 + i)
-                inputs, positions, labels = [t.to(device) for t in mask_rows(rows, specials, mask_id, n_ordinary, gen)]
-                total += raw(inputs, positions=positions, labels=labels).item() * len(rows)
-                n += len(rows)
-        raw.train()
-        return total / n
+    def log(self, line, **record):
+        if self.rank == 0:
+            print(line, flush=True)
+            if record:
+                self.logf.write(json.dumps(record) + "\n")
+                self.logf.flush()
 
-    if args.eval:
-        v = evaluate(("train.bin", "val.bin"))
-        rows = sum(os.path.getsize(os.path.join(args.data, f)) for f in ("train.bin", "val.bin")) // (2 * c.seq_len)
-        log(f"held-out loss of {ckpt_path} (step {step}) on {min(rows, args.eval_rows):,} rows of {args.data}: {v:.4f}")
-        return v
+    def clock(self):
+        """x, the fraction of the budget used, and whether to stop. Ranks' clocks differ, so
+        all take the largest: the schedule and the last step must be the same everywhere."""
+        now = torch.tensor([time.time() - self.t_start, len(STOP)], dtype=torch.float64)
+        if self.world > 1:
+            now = now.to(self.device)
+            dist.all_reduce(now, dist.ReduceOp.MAX)
+        self.elapsed, stop = now.tolist()
+        x = self.step / self.args.steps if self.args.steps else self.elapsed / self.args.time
+        return x, stop or x >= 1
 
-    def save():
-        if rank == 0:
-            save_checkpoint(ckpt_path, {
-                "format": "cram-ckpt-1", "model_config": asdict(c), "model": raw.state_dict(), "tokenizer": tok,
-                "optimizer": opt.state_dict(), "args": vars(args), "step": step, "seqs": seqs, "elapsed": elapsed,
-                "skipped": skipped, "data": [data.epoch, data.pos], "rng": torch.get_rng_state()})
-
-    stop = []
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, lambda signum, frame: stop.append(signum))
-    data = Batches(os.path.join(args.data, "train.bin"), c.seq_len, args.micro_batch, args.seed, rank, world, epoch, pos)
-    logf = open(os.path.join(args.out, "log.jsonl"), "a") if rank == 0 else None
-
-    def record(**r):
-        if logf:
-            logf.write(json.dumps(r) + "\n")
-            logf.flush()
-
-    log(f"budget {f'{args.steps} steps' if args.steps else f'{args.time:.0f}s'}; batch ramps to {args.batch_size} "
-        f"in micro-batches of {args.micro_batch} x {world} on {device}; peak lr {args.lr}")
-    t_start = time.time() - elapsed
-    t_log, t_save, t_eval, seqs_log, losses, skipped_run = time.time(), time.time(), time.time(), seqs, [], 0
-    while True:
-        elapsed = time.time() - t_start
-        x = step / args.steps if args.steps else elapsed / args.time
-        flag = torch.tensor([len(stop) > 0 or x >= 1], device=device)
-        if ddp:  # all ranks must leave the loop at the same step
-            dist.all_reduce(flag, dist.ReduceOp.MAX)
-        if flag.item():
-            break
-        lr = schedule(x, args.lr)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        accum = ramp(x, args.batch_size, args.micro_batch * world)
-        loss_sum = torch.zeros((), device=device)
+    def train_step(self, x):
+        """Accumulate micro-batches up to the ramp's batch, clip, step; the mean loss or None."""
+        a = self.args
+        for g in self.opt.param_groups:
+            g["lr"] = schedule(x, a.lr)
+        accum = ramp(x, a.batch_size, a.micro_batch * self.world)
+        loss_sum = torch.zeros((), device=self.device)
         for i in range(accum):
-            sync = contextlib.nullcontext() if not ddp or i == accum - 1 else model.no_sync()
-            with sync, autocast:
-                loss = model(**masked(next(data), step, i)) / accum
-            with sync:
+            # masks are a pure function of (seed, rank, step, micro-batch): resumable
+            batch = self.masker(next(self.data), hash((a.seed, self.rank, self.step, i)))
+            # DDP: all-reduce the gradients once, after the last micro-batch
+            last = i == accum - 1 or self.world == 1
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                with autocast(self.device):
+                    loss = self.model(**batch) / accum  # we want the MEAN over micro-batches
                 loss.backward()
             loss_sum += loss.detach()
-        norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), 0.5)
-        if torch.isfinite(norm):
-            opt.step()
-            losses.append(loss_sum.item())
-            skipped_run = 0
+        norm = nn.utils.clip_grad_norm_(self.raw.parameters(), CLIP)
+        finite = bool(torch.isfinite(norm))
+        if finite:
+            self.opt.step()
+            self.bad_run = 0
         else:  # a non-finite loss or gradient: skip the step; give up if it persists
-            skipped, skipped_run = skipped + 1, skipped_run + 1
-            if skipped_run >= 20:
-                die(f"loss/gradients not finite for {skipped_run} steps in a row at step {step}; lower --lr")
+            self.skipped, self.bad_run = self.skipped + 1, self.bad_run + 1
+            if self.bad_run >= MAX_BAD_STEPS:
+                die(f"loss/gradients not finite for {self.bad_run} steps in a row at step "
+                    f"{self.step}; lower --lr")
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self.seqs += accum * a.micro_batch * self.world
+        return loss_sum.item() if finite else None
+
+    def report(self, now, x):
+        """The log line: loss since the last one, tokens/s, MFU, time left."""
+        tok_s = (self.seqs - self.seqs_log) * self.c.seq_len / (now - self.t_log)
+        r = dict(step=self.step, seqs=self.seqs, tokens=self.seqs * self.c.seq_len,
+                 loss=sum(self.losses) / max(len(self.losses), 1), lr=schedule(x, self.args.lr),
+                 batch=ramp(x, self.args.batch_size, self.args.micro_batch * self.world) *
+                 self.args.micro_batch * self.world, tok_s=round(tok_s),
+                 mfu=mfu(tok_s, self.c, self.world, self.peak), elapsed=round(self.elapsed, 1),
+                 skipped=self.skipped)
+        left = (self.args.steps - self.step) * self.elapsed / self.step if self.args.steps \
+            else self.args.time - self.elapsed
+        self.log(f"step {self.step} | {r['tokens'] / 1e6:,.1f}M tok | loss {r['loss']:.4f} | "
+                 f"lr {r['lr']:.2e} | batch {r['batch']} | {tok_s:,.0f} tok/s | mfu {r['mfu']} | "
+                 f"{self.elapsed:,.0f}s elapsed, {left:,.0f}s left", **r)
+        self.t_log, self.seqs_log, self.losses = now, self.seqs, []
+
+    def validate(self):
+        loss, acc = evaluate(self.raw, [self.val], self.args.eval_rows, self.masker,
+                             self.args.micro_batch, self.device)
+        self.log(f"step {self.step} | val loss {loss:.4f} | val accuracy {100 * acc:.1f}%",
+                 step=self.step, elapsed=round(self.elapsed, 1), val_loss=loss, val_acc=acc)
+
+    def save(self):
+        if self.rank == 0:
+            save_checkpoint(self.args.ckpt, {
+                "format": "cram-ckpt-1", "model_config": asdict(self.c), "tokenizer": self.tok,
+                "model": self.raw.state_dict(), "optimizer": self.opt.state_dict(),
+                "args": vars(self.args), "step": self.step, "seqs": self.seqs,
+                "elapsed": self.elapsed, "skipped": self.skipped,
+                "data": [self.data.epoch, self.data.pos], "rng": torch.get_rng_state()})
+
+    def train(self):
+        a = self.args
+        self.log(f"budget {f'{a.steps} steps' if a.steps else f'{a.time:.0f}s'}; batch ramps to "
+                 f"{a.batch_size} in micro-batches of {a.micro_batch} x {self.world} on "
+                 f"{self.device}; peak lr {a.lr}")
+        self.t_start = time.time() - self.elapsed
+        self.t_log = self.t_save = self.t_eval = time.time()
+        self.seqs_log, self.losses, self.bad_run = self.seqs, [], 0
+        while True:
+            x, stop = self.clock()
+            if stop:
+                break
+            loss = self.train_step(x)
+            if loss is not None:
+                self.losses.append(loss)
+            now = time.time()
+            if now - self.t_log >= a.log_every or self.step == 1:
+                self.report(now, x)
+            if a.eval_every and now - self.t_eval >= a.eval_every:
+                self.validate()
+                self.t_eval = time.time()
+            if now - self.t_save >= a.save_every:
+                self.save()
+                self.t_save = time.time()
+        self.finish()
+
+    def finish(self):
+        """Save; on a signal, exit saying how to continue; else check replicas and evaluate."""
+        self.elapsed = min(self.elapsed, self.args.time)
+        self.save()
+        if STOP:
+            self.log(f"stopped by signal {STOP[0]} at step {self.step}: {self.args.ckpt} saved; "
+                     f"continue with --resume")
+            raise SystemExit(128 + STOP[0])
+        if self.world > 1:  # replicas must hold identical weights after training
+            sums = torch.stack([p.detach().double().sum() for p in self.raw.parameters()])
+            every = [torch.zeros_like(sums) for _ in range(self.world)]
+            dist.all_gather(every, sums)
+            agree = all(torch.equal(every[0], s) for s in every)
+            self.log(f"replicas agree: {agree}", step=self.step, ranks_agree=agree, world=self.world)
+            if not agree:
+                die("DDP replicas diverged")
+        if self.rank == 0:
+            loss, acc = evaluate(self.raw, [self.val], self.args.eval_rows, self.masker,
+                                 self.args.micro_batch, self.device)
+            self.log(f"done: {self.step} steps, {self.seqs * self.c.seq_len / 1e6:,.1f}M tokens in "
+                     f"{self.elapsed:.0f}s; val loss {loss:.4f}, accuracy {100 * acc:.1f}%; "
+                     f"skipped {self.skipped} steps; {self.args.ckpt}", step=self.step,
+                     seqs=self.seqs, tokens=self.seqs * self.c.seq_len,
+                     elapsed=round(self.elapsed, 1), val_loss=loss, val_acc=acc)
+        if self.world > 1:
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- bench, eval, fill
+def bench(args, device):
+    """Training steps at the chosen size on random tokens: tokens/s and MFU."""
+    c = ModelConfig(args.vocab_size, 128, args.layers, args.width, args.heads, args.ffn)
+    model, raw, opt = build(c, args, device)
+    masker = Masker({s: args.vocab_size - 4 + i for i, s in enumerate(SPECIALS)}, device)
+    times = []
+    for i in range(3 + args.bench_steps):
+        rows = torch.randint(0, masker.n_ordinary, (args.micro_batch, c.seq_len))
+        t0 = time.time()
+        with autocast(device):
+            loss = model(**masker(rows, i))
+        loss.backward()
+        opt.step()
         opt.zero_grad(set_to_none=True)
-        step, seqs = step + 1, seqs + accum * args.micro_batch * world
-        now = time.time()
-        if now - t_log >= args.log_every or step == 1:
-            tok_s = (seqs - seqs_log) * c.seq_len / (now - t_log)
-            r = dict(step=step, seqs=seqs, tokens=seqs * c.seq_len, loss=sum(losses) / max(len(losses), 1), lr=lr,
-                     batch=accum * args.micro_batch * world, tok_s=round(tok_s), mfu=mfu(tok_s),
-                     elapsed=round(now - t_start, 1), skipped=skipped)
-            left = args.time - (now - t_start) if not args.steps else (args.steps - step) * (now - t_start) / step
-            log(f"step {step} | {seqs:,} seqs {seqs * c.seq_len / 1e6:,.1f}M tok | loss {r['loss']:.4f} | lr {lr:.2e} | "
-                f"batch {r['batch']} | {tok_s:,.0f} tok/s | mfu {r['mfu']} | {now - t_start:,.0f}s elapsed, {left:,.0f}s left")
-            record(**r)
-            t_log, seqs_log, losses = now, seqs, []
-        if args.eval_every and now - t_eval >= args.eval_every and rank == 0:
-            v = evaluate()
-            log(f"step {step} | val loss {v:.4f}")
-            record(step=step, elapsed=round(now - t_start, 1), val_loss=v)
-            t_eval = time.time()
-        if now - t_save >= args.save_every:
-            save()
-            t_save = time.time()
-    elapsed = min(time.time() - t_start, args.time)
-    save()
-    if stop:
-        log(f"stopped by signal {stop[0]} at step {step}: {ckpt_path} saved; continue with --resume")
-        raise SystemExit(128 + stop[0])
-    if ddp:  # replicas must hold identical weights after training
-        sums = torch.stack([p.detach().double().sum() for p in raw.parameters()])
-        all_sums = [torch.zeros_like(sums) for _ in range(world)]
-        dist.all_gather(all_sums, sums)
-        agree = all(torch.equal(all_sums[0], s) for s in all_sums)
-        record(step=step, ranks_agree=agree, world=world)
-        if not agree:
-            die("DDP replicas diverged")
-    if rank == 0:
-        v = evaluate()
-        log(f"done: {step} steps, {seqs:,} sequences ({seqs * c.seq_len / 1e6:,.1f}M tokens) in {elapsed:.0f}s; "
-            f"val loss {v:.4f}; skipped {skipped} steps; {ckpt_path}")
-        record(step=step, seqs=seqs, tokens=seqs * c.seq_len, elapsed=round(elapsed, 1), val_loss=v)
-    if ddp:
-        dist.destroy_process_group()
+        loss.item()  # waits for the GPU
+        times.append(time.time() - t0)
+        print(f"bench step {i}: {times[-1] * 1e3:.0f} ms{' (warm-up)' if i < 3 else ''}", flush=True)
+    tok_s = args.micro_batch * c.seq_len * args.bench_steps / sum(times[3:])
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = args.peak_tflops or next((p for n, p in PEAK_TFLOPS.items() if n in name), None)
+    print(f"bench: {name} micro-batch {args.micro_batch} compile={model is not raw} "
+          f"tokens/s={tok_s:.0f} mfu={mfu(tok_s, c, 1, peak)}", flush=True)
+    return tok_s
+
+
+def eval_ckpt(args, device):
+    """--eval: a checkpoint's loss and accuracy on all of DATA's rows, up to --eval-rows."""
+    meta, tok, rows = read_prepared(args.data)
+    ckpt = load_checkpoint(args.ckpt)
+    check_data(ckpt, meta, tok, args.ckpt, args.data)
+    model = load_model(ckpt, args.ckpt).to(device)
+    n = min(args.eval_rows, len(rows["train"]) + len(rows["val"]))
+    loss, acc = evaluate(model, [rows["train"], rows["val"]], n, Masker(tok["special_tokens"], device),
+                         args.micro_batch, device)
+    print(f"held-out loss of {args.ckpt} (step {ckpt['step']}) on {n:,} rows of {args.data}: "
+          f"{loss:.4f}; it guesses {100 * acc:.1f}% of the masked tokens", flush=True)
+    return loss
+
+
+def encode_masked(text, enc, mask_id):
+    """Ids of a text with [MASK]s, each piece normalised as prepare.py does; a piece after a
+    [MASK] keeps its leading space, as it had in the corpus: 'The Cat [MASK] on it' ->
+    ids('the cat') + [MASK] + ids(' on it')."""
+    ids = []
+    for k, piece in enumerate(text.split("[MASK]")):
+        if k:
+            ids.append(mask_id)
+        words = normalize(piece)
+        if k and words and piece[:1].isspace():
+            words = " " + words
+        ids += enc.encode_ordinary(words)
+    return ids
+
+
+@torch.no_grad()
+def fill(args, device):
+    """--fill: the checkpoint's top 5 tokens, with probabilities, for each [MASK] of each text."""
+    ckpt = load_checkpoint(args.ckpt)
+    model = load_model(ckpt, args.ckpt).to(device).eval()
+    enc, mask_id = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]["[MASK]"]
+    answers = []
+    for text in args.fill:
+        ids = encode_masked(text, enc, mask_id)
+        positions = [i for i, t in enumerate(ids) if t == mask_id]
+        if not positions:
+            die(f"--fill {text!r}: no [MASK] in it")
+        if len(ids) > model.config.seq_len:
+            die(f"--fill {text!r}: {len(ids)} tokens, longer than the model's {model.config.seq_len}")
+        hidden = model(torch.tensor([ids], device=device))
+        probs = model.decode(hidden, torch.tensor([positions], device=device))[0].softmax(-1)
+        print(text)
+        for k, p in enumerate(probs):  # (vocab,) for each [MASK]
+            top = [(enc.decode([int(t)]).strip(), float(v)) for v, t in zip(*p.topk(5))]
+            answers.append(top)
+            print(f"  [MASK] {k + 1}: " + ", ".join(f"{w!r} {v:.2f}" for w, v in top), flush=True)
+    return answers
+
+
+def request_stop(signum, frame):
+    STOP.append(signum)
+
+
+def main(argv=None):
+    args = get_args(argv)
+    rank, world, device = setup(args)
+    if args.fill:
+        return fill(args, device)
+    if args.bench:
+        return bench(args, device)
+    if args.eval:
+        return eval_ckpt(args, device)
+    STOP.clear()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, request_stop)
+    Trainer(args, rank, world, device).train()
 
 
 if __name__ == "__main__":

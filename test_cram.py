@@ -75,10 +75,12 @@ def test_schedule_and_ramp():
 def test_overfits_tiny_dataset(tmp_path, data):
     small = tmp_path / "small"
     small.mkdir()
-    for f in ("meta.json", "tokenizer.tiktoken"):
-        (small / f).write_bytes(open(os.path.join(data, f), "rb").read())
+    (small / "tokenizer.tiktoken").write_bytes(open(os.path.join(data, "tokenizer.tiktoken"), "rb").read())
     rows = np.fromfile(os.path.join(data, "train.bin"), np.uint16)[: 8 * 32]
     rows.tofile(small / "train.bin"), rows.tofile(small / "val.bin")
+    meta = json.load(open(os.path.join(data, "meta.json")))
+    meta["train"]["bytes"] = meta["val"]["bytes"] = rows.nbytes
+    json.dump(meta, open(small / "meta.json", "w"))
     cram.main(["--data", str(small), "--out", str(tmp_path / "out"), "--steps", "500", "--lr", "3e-3", *TINY,
                "--batch-size", "8", "--log-every", "1"])
     log = records(str(tmp_path / "out"))
@@ -167,7 +169,7 @@ def test_non_finite_steps_are_skipped_then_abort(tmp_path, data, monkeypatch):
 
 
 def test_clear_errors(tmp_path, data):
-    with pytest.raises(SystemExit, match="run `python prepare.py` first"):
+    with pytest.raises(SystemExit, match="none: no prepared data .*run prepare.py"):
         cram.main(["--data", str(tmp_path / "none"), "--out", str(tmp_path), *TINY])
     (tmp_path / "ckpt.pt").write_bytes(b"garbage")
     with pytest.raises(SystemExit, match="ckpt.pt: corrupt or unreadable checkpoint"):
