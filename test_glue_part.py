@@ -196,14 +196,120 @@ def test_glue_finetune_learns_a_synthetic_task(tmp_path, capsys, one_thread):
     assert res["SST-2"]["accuracy"] > 90
     saved = json.load(open(tmp_path / "glue.json"))
     assert saved["SST-2"]["accuracy"] == res["SST-2"]["accuracy"] and saved["average_over"] == ["SST-2"]
-    out = capsys.readouterr().out
-    assert "SST-2 trial 1/1 epoch 5/5" in out and "ex/s" in out and "ETA" in out and "crammed BERT v1" in out
+    cap = capsys.readouterr()  # progress lines go to stderr (prepare.Progress), the table to stdout
+    assert "SST-2 trial 1/1: " in cap.err and "epoch 5/5" in cap.err and "ex/s" in cap.err and "ETA" in cap.err
+    assert "crammed BERT v1" in cap.out
     res = glue.main(common + ["--tasks", "rte", "--epochs", "1", "--trials", "2", "--random-init"])
     assert set(json.load(open(tmp_path / "glue-random-init.json"))["trials"]["RTE"][1]) == {"accuracy"}
-    with pytest.raises(SystemExit, match="--max-len 65: longer than the checkpoint's 64"):
+    with pytest.raises(SystemExit, match="--max-len 65: must be from 4 to 64"):
         glue.main(common[:-1] + ["65", "--tasks", "rte"])
     with open(ckpt, "wb") as f:
         f.write(b"not a checkpoint")
     with pytest.raises(SystemExit, match=f"error: {ckpt}: corrupt"):
         glue.main(common + ["--tasks", "rte"])
 
+
+
+# ----------------------------------------------------------------------------- nothing lost, no traceback
+def fake_finetune(calls):
+    """Stands in for fine-tuning: a score that says which call made it."""
+    def finetune(ckpt, task, train, devs, args, trial, device, pad):
+        calls.append(task)
+        return {split: {m: float(len(calls)) for m in glue.METRICS.get(task, ["accuracy"])} for split in devs}
+    return finetune
+
+
+@pytest.fixture
+def glue_run(tmp_path, monkeypatch):
+    """A checkpoint, RTE and WNLI files, and main() with fine-tuning replaced by fake_finetune."""
+    for task in ("RTE", "WNLI"):
+        write_files(tmp_path / "glue" / task, FIXTURES[task])
+    ckpt = str(tmp_path / "ckpt.pt")
+    make_ckpt(ckpt)
+    calls = []
+    monkeypatch.setattr(glue, "finetune", fake_finetune(calls))
+
+    def run(*flags):
+        return glue.main(["--ckpt", ckpt, "--glue-dir", str(tmp_path / "glue"), "--device", "cpu", "--max-len", "64", *flags])
+    return run, calls, tmp_path
+
+
+def test_glue_json_merges_runs(glue_run):
+    run, calls, tmp = glue_run
+    run("--tasks", "wnli")
+    run("--tasks", "rte", "--seed", "3")
+    saved = json.load(open(tmp / "glue.json"))
+    assert saved["WNLI"] == {"accuracy": 1.0} and saved["RTE"] == {"accuracy": 2.0}  # both kept
+    assert saved["average"] == 2.0 and saved["average_over"] == ["RTE"]  # WNLI is not in the score
+    assert saved["settings"]["WNLI"]["seed"] == 0 and saved["settings"]["RTE"]["seed"] == 3
+    run("--tasks", "rte", "--trials", "2")  # a rerun replaces RTE only
+    saved = json.load(open(tmp / "glue.json"))
+    assert saved["WNLI"] == {"accuracy": 1.0} and saved["RTE"] == {"accuracy": 3.5}  # median of 3, 4
+    assert saved["trials"]["RTE"] == [{"accuracy": 3.0}, {"accuracy": 4.0}] and saved["trials"]["WNLI"]
+    assert saved["average"] == 3.5 and calls == ["WNLI", "RTE", "RTE", "RTE"]
+    (tmp / "glue.json").write_text('{"RTE": {"accuracy": 5')  # corrupt: a clear error, the file untouched
+    with pytest.raises(SystemExit, match=r"^error: \S*glue.json: not a glue.py results file.*move it aside to start anew$"):
+        run("--tasks", "wnli")
+    assert (tmp / "glue.json").read_text() == '{"RTE": {"accuracy": 5' and len(calls) == 4
+
+
+def test_glue_checks_every_file_before_fine_tuning(glue_run, capsys):
+    run, calls, tmp = glue_run
+    write_files(tmp / "glue" / "WNLI", {"dev.tsv": "index\tsentence1\tsentence2\tlabel\n0\ta\tb\t7\n"})
+    with pytest.raises(SystemExit, match=r"WNLI/dev.tsv:2: unknown label '7'"):
+        run("--tasks", "rte,wnli")
+    assert calls == [] and not os.path.exists(tmp / "glue.json") and "trial" not in capsys.readouterr().err
+
+
+def test_glue_unwritable_output_fails_up_front(glue_run, tmp_path):
+    run, calls, tmp = glue_run
+    (tmp / "a-file").write_text("")  # a file where the output folder should be: fails even as root
+    with pytest.raises(SystemExit, match=r"^error: \S*a-file: cannot write the results there \(.*\)$"):
+        run("--tasks", "rte", "--out", str(tmp / "a-file" / "glue.json"))
+    ro = tmp / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if not os.access(ro, os.W_OK):  # root writes anyway: then the case above is the check
+            with pytest.raises(SystemExit, match=r"read-only/glue.json.tmp: cannot write the results there"):
+                run("--tasks", "rte", "--out", str(ro / "glue.json"))
+    finally:
+        ro.chmod(0o755)
+    assert calls == []
+
+
+def test_glue_flags_out_of_range(glue_run):
+    run, calls, _ = glue_run
+    for flags, msg in [(["--epochs", "0"], "--epochs 0: must be at least 1"),
+                       (["--lr", "0"], "--lr 0.0: must be above 0 and at most 1"),
+                       (["--lr", "nan"], "--lr nan: must be above 0"), (["--lr", "2"], "--lr 2.0: must be"),
+                       (["--batch-size", "-1"], "--batch-size -1: must be at least 1"),
+                       (["--trials", "0"], "--trials 0: must be at least 1"),
+                       (["--seed", "-1"], r"--seed -1: must be from 0 to 2\*\*32 - 1"),
+                       (["--max-len", "3"], "--max-len 3: must be at least 4"),
+                       (["--max-len", "65"], "--max-len 65: must be from 4 to 64"),
+                       (["--tasks", ","], "--tasks: name at least one task")]:
+        with pytest.raises(SystemExit, match="^error: " + msg):
+            run("--tasks", "rte", *flags)
+    assert calls == []
+    r = subprocess.run([sys.executable, os.path.join(HERE, "glue.py"), "--ckpt", "x.pt", "--epochs", "0"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr == "error: --epochs 0: must be at least 1\n"  # one line, no traceback
+
+
+def test_glue_head_help_and_truncation_example(capsys):
+    cfg = ModelConfig(vocab_size=260, seq_len=64, layers=1, width=64, heads=2, ffn=128)
+    model = glue.Classifier(cfg, 3)
+    assert glue.HEAD_DIM == 1024 and model.pooler[0].out_features == 1024 and model.head.in_features == 1024
+    assert model.pooler[2].p == glue.DROPOUT == 0.1
+    assert model(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.bool)).shape == (2, 3)
+    with pytest.raises(SystemExit):
+        glue.get_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag, name in [("lr", "LR"), ("epochs", "EPOCHS"), ("batch-size", "BATCH_SIZE"), ("max-len", "MAX_LEN")]:
+        assert f"--{flag} {flag.upper().replace('-', '_')} " in help_text
+        assert f"(default: {getattr(glue, name)})" in help_text
+
+    def cut(a, b, room):  # the worked example of truncate's docstring, in lengths
+        return tuple(map(len, glue.truncate(list(range(a)), list(range(b)), room)))
+    assert cut(100, 60, 125) == (65, 60) and cut(100, 90, 125) == (63, 62) and cut(200, 0, 126) == (126, 0)
