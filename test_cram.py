@@ -147,7 +147,11 @@ def test_eval_on_held_out_text(tmp_path, data, capsys):
     meta, held = prep(str(tmp_path), make_docs(40, seed=11), "--tokenizer", data, name="held")
     rows = meta["train"]["rows"] + meta["val"]["rows"]
     v = cram.main(["--data", held, "--out", str(tmp_path), "--eval", *TINY, "--eval-rows", "100000"])
-    assert f"on {rows:,} rows of {held}: {v:.4f}" in capsys.readouterr().out and 3 < v < 7
+    out = capsys.readouterr().out
+    assert f"on {rows:,} rows of {held}: {v:.4f}; it guesses" in out and 3 < v < 7
+    assert "% of the masked tokens" in out and 0 <= records(str(tmp_path))[-1]["val_acc"] <= 1
+    cram.main(["--data", held, "--out", str(tmp_path), "--eval", *TINY, "--eval-rows", "5"])
+    assert "on 5 rows of" in capsys.readouterr().out  # reads only the rows it needs
     assert v == cram.main(["--data", held, "--out", str(tmp_path), "--eval", *TINY, "--eval-rows", "100000"])
     _, other = prep(str(tmp_path), make_docs(200, seed=12), name="other")  # a tokenizer of its own
     with pytest.raises(SystemExit, match="trained with another tokenizer"):
@@ -186,3 +190,100 @@ def test_clear_errors(tmp_path, data):
         cram.main(["--data", out, "--out", str(tmp_path / "a"), "--resume", *TINY])
 
 
+
+
+def test_compiled_training_step_matches_eager_on_cpu(tmp_path):
+    """Guards the GPU path in CI: one graph (fullgraph), bf16 autocast, no recompilation."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    c = cram.ModelConfig(vocab_size=512, seq_len=32, layers=2, width=64, heads=2, ffn=128)
+    model = cram.Crammed(c)
+    masker = cram.Masker({"[PAD]": 508, "[CLS]": 509, "[SEP]": 510, "[MASK]": 511}, torch.device("cpu"))
+    compiled = torch.compile(model, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(2):  # a second batch must reuse the graph: static shapes
+            batch = masker(torch.randint(0, 508, (8, 32)), seed)
+            with torch.autocast("cpu", torch.bfloat16):
+                eager, fast = model(**batch), compiled(**batch)
+            fast.backward()
+            assert abs(eager.item() - fast.item()) < 0.02 * eager.item()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_ddp_accumulates_on_a_shared_clock_and_resumes(tmp_path, data):
+    """The paper's settings under torchrun: accumulation (batch 64 = 4 x 8 x 2), a time budget
+    read from one clock, SIGTERM, --resume; the replicas agree at the end."""
+    out = str(tmp_path / "ddp")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(HERE, "cram.py"), "--data", data, "--out", out, "--time", "12", *TINY,
+           "--batch-size", "64"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not os.path.exists(os.path.join(out, "log.jsonl")) or max(
+            (r.get("batch", 0) for r in records(out)), default=0) < 32:  # accumulating
+        assert p.poll() is None, p.stdout.read()
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    p.wait(120)
+    step = cram.load_checkpoint(os.path.join(out, "ckpt.pt"))["step"]
+    r = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = records(out)
+    assert any(rec.get("ranks_agree") is True and rec["world"] == 2 for rec in log)
+    assert cram.load_checkpoint(os.path.join(out, "ckpt.pt"))["step"] > step and "val_loss" in log[-1]
+
+
+def test_out_folder_holds_a_run(tmp_path, data):
+    out = str(tmp_path / "run")
+    cram.main(["--data", data, "--out", out, "--steps", "2", *TINY])
+    before = open(os.path.join(out, "ckpt.pt"), "rb").read()
+    with pytest.raises(SystemExit, match="holds a run .*ckpt.pt.*--resume"):
+        cram.main(["--data", data, "--out", out, "--steps", "2", *TINY])
+    assert open(os.path.join(out, "ckpt.pt"), "rb").read() == before
+    with open(os.path.join(out, "lock"), "w") as lock:  # as a second cram.py would find it
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit, match="another cram.py is training into it"):
+            cram.main(["--data", data, "--out", out, "--resume", *TINY])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="--out .*file: cannot write there"):
+        cram.main(["--data", data, "--out", str(tmp_path / "file"), *TINY])
+
+
+@pytest.mark.parametrize("flag,value", [("--time", "0"), ("--time", "-5"), ("--time", "inf"),
+                                        ("--steps", "0"), ("--micro-batch", "0"), ("--lr", "nan"),
+                                        ("--layers", "-1"), ("--log-every", "-1"),
+                                        ("--eval-rows", "0"), ("--batch-size", "4")])
+def test_out_of_range_flags(flag, value, data, tmp_path):
+    with pytest.raises(SystemExit, match=f"error: {flag} {value}"):
+        cram.main(["--data", data, "--out", str(tmp_path), *TINY, flag, value])
+    assert not os.path.exists(tmp_path / "log.jsonl")
+
+
+def test_damaged_data_is_named_at_start(tmp_path, data):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in os.listdir(data):
+        (bad / f).write_bytes(open(os.path.join(data, f), "rb").read())
+    with open(bad / "val.bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(SystemExit, match="val.bin: 100 bytes, but meta.json says .*damaged"):
+        cram.main(["--data", str(bad), "--out", str(tmp_path / "o"), *TINY])
+    os.remove(bad / "train.bin")
+    with pytest.raises(SystemExit, match="train.bin: missing"):
+        cram.main(["--data", str(bad), "--out", str(tmp_path / "o"), *TINY])
+
+
+def test_fill_masks_with_top_5(tmp_path, data, capsys):
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "30", "--lr", "3e-3", *TINY])
+    answers = cram.main(["--out", str(tmp_path), "--fill", "The cat [MASK] on the mat.",
+                         "a [MASK] dog [MASK] far", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert len(answers) == 3 and all(len(a) == 5 for a in answers) and "[MASK] 2:" in out
+    assert all(1 >= a[0][1] >= a[4][1] > 0 for a in answers)
+    enc = prepare.load_tokenizer(prepare.read_prepared(data)[1])
+    ids = cram.encode_masked("The Cat [MASK] on it", enc, 999)
+    assert ids == enc.encode_ordinary("the cat") + [999] + enc.encode_ordinary(" on it")
+    with pytest.raises(SystemExit, match="no \\[MASK\\] in it"):
+        cram.main(["--out", str(tmp_path), "--fill", "no mask here"])
+    with pytest.raises(SystemExit, match="no checkpoint here"):
+        cram.main(["--out", str(tmp_path / "nothing"), "--fill", "a [MASK]"])
