@@ -152,23 +152,17 @@ def read_tsv(path, task):
                     die(f"{path}:{n}: expected {len(header)} tab-separated columns, "
                         f"found {len(fields)}")
                 row = dict(zip(header, fields))
-                y = label(row[col_y], labels, f"{path}:{n}", col_y)
+                y = row[col_y]
+                if labels is not None and y not in labels:
+                    die(f"{path}:{n}: unknown label {y!r}, expected one of {', '.join(labels)}")
+                try:
+                    y = float(y) if labels is None else labels.index(y)
+                except ValueError:
+                    die(f"{path}:{n}: {col_y} {y!r} is not a number")
                 rows.append((row[col_a], row[col_b] if col_b else None, y))
     if not rows:
         die(f"{path}: no examples")
     return rows
-
-
-def label(y, labels, where, column):
-    """The class index of y, or y as a float for regression (labels None)."""
-    if labels is None:
-        try:
-            return float(y)
-        except ValueError:
-            die(f"{where}: {column} {y!r} is not a number")
-    if y not in labels:
-        die(f"{where}: unknown label {y!r}, expected one of {', '.join(labels)}")
-    return labels.index(y)
 
 
 def truncate(a, b, room):
@@ -370,36 +364,53 @@ def load_results(path):
     return results, trials, settings
 
 
+def check_writable(path):
+    """Fail now, not after hours of fine-tuning, if the results cannot be written to path."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomic(path + ".probe", b"")
+        os.remove(path + ".probe")
+    except OSError as e:
+        die(f"{e.filename or path}: cannot write the results there ({e.strerror})")
+
+
 def save(path, results, trials, settings):
     """Rewritten after every task, so a long run keeps what it has finished."""
     avg, over = glue_score(results)
     data = {**results, "average": avg, "average_over": over, "trials": trials, "settings": settings}
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         write_atomic(path, json.dumps(data, indent=1).encode())
     except OSError as e:
-        die(f"{e.filename or path}: cannot write the results there ({e.strerror})")
+        die(f"{path}: cannot write the results there ({e.strerror})")
 
 
 # ----------------------------------------------------------------------------- main
-class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The docstring as written, and every flag's default."""
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line like every other error here, not the usage block
+        die(message)
 
 
 def get_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", required=True, help="cram checkpoint to fine-tune")
     ap.add_argument("--out", help="results file (default: glue.json next to the checkpoint)")
-    ap.add_argument("--glue-dir", default="data/glue", help="<TASK>/train.tsv, dev.tsv are here")
-    ap.add_argument("--tasks", default="cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte", help="or wnli")
-    ap.add_argument("--epochs", type=int, default=EPOCHS, help="fine-tuning epochs per task")
-    ap.add_argument("--lr", type=float, default=LR, help="peak AdamW learning rate")
-    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="examples per step")
-    ap.add_argument("--seed", type=int, default=0, help="trial k uses seed + k - 1")
-    ap.add_argument("--trials", type=int, default=TRIALS, help="runs per task, report the median")
-    ap.add_argument("--max-len", type=int, default=MAX_LEN, help="tokens with [CLS], [SEP]")
+    ap.add_argument("--glue-dir", default="data/glue",
+                    help="<TASK>/train.tsv, dev.tsv, downloaded if missing (default: %(default)s)")
+    ap.add_argument("--tasks", default="cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte",
+                    help="comma-separated, any case, wnli too (default: %(default)s)")
+    ap.add_argument("--epochs", type=int, default=EPOCHS, help="per task (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=LR, help="peak AdamW lr (default: %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="(default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="trial k uses seed + k - 1 (default: %(default)s)")
+    ap.add_argument("--trials", type=int, default=TRIALS,
+                    help="runs per task; results are their median (default: %(default)s)")
+    ap.add_argument("--max-len", type=int, default=MAX_LEN,
+                    help="tokens per example with [CLS], [SEP] (default: %(default)s)")
     ap.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
-    ap.add_argument("--random-init", action="store_true", help="no pretraining (own json file)")
+    ap.add_argument("--random-init", action="store_true",
+                    help="the same model from random weights: the no-pretraining baseline, "
+                         "written to glue-random-init.json")
     args = ap.parse_args(argv)
     checks = [("epochs", args.epochs >= 1, "at least 1"),
               ("lr", 0 < args.lr <= 1, "above 0 and at most 1"),
@@ -424,6 +435,8 @@ def main(argv=None):
     seq_len = ckpt["model_config"]["seq_len"]
     if args.max_len > seq_len:  # the model has no position embedding beyond that
         die(f"--max-len {args.max_len}: must be from 4 to {seq_len}, the checkpoint's length")
+    results, trials, settings = load_results(args.out)
+    check_writable(args.out)
     data = {}
     for task in args.tasks:  # every file first: a bad one should fail now, not hours into the run
         print(f"{task}: reading its files in {args.glue_dir}", flush=True)
@@ -433,8 +446,6 @@ def main(argv=None):
             die(f"{e.filename or args.glue_dir}: {e.strerror}")
         data[task] = {s: read_tsv(os.path.join(folder, f), task)
                       for s, f in {"train": "train.tsv", **DEV[task]}.items()}
-    results, trials, settings = load_results(args.out)
-    save(args.out, results, trials, settings)  # the output can be written: find out now
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
     device = pick_device(args.device)
     for task in args.tasks:

@@ -271,7 +271,7 @@ def test_glue_unwritable_output_fails_up_front(glue_run, tmp_path):
     ro.chmod(0o555)
     try:
         if not os.access(ro, os.W_OK):  # root writes anyway: then the case above is the check
-            with pytest.raises(SystemExit, match=r"read-only/glue.json.tmp: cannot write the results there"):
+            with pytest.raises(SystemExit, match=r"read-only/glue.json.probe.tmp: cannot write the results there"):
                 run("--tasks", "rte", "--out", str(ro / "glue.json"))
     finally:
         ro.chmod(0o755)
@@ -288,7 +288,8 @@ def test_glue_flags_out_of_range(glue_run):
                        (["--seed", "-1"], r"--seed -1: must be from 0 to 2\*\*32 - 1"),
                        (["--max-len", "3"], "--max-len 3: must be at least 4"),
                        (["--max-len", "65"], "--max-len 65: must be from 4 to 64"),
-                       (["--tasks", ","], "--tasks: name at least one task")]:
+                       (["--tasks", ","], "--tasks: name at least one task"),
+                       (["--epochs", "x"], "argument --epochs: invalid int value: 'x'")]:
         with pytest.raises(SystemExit, match="^error: " + msg):
             run("--tasks", "rte", *flags)
     assert calls == []
