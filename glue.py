@@ -435,6 +435,11 @@ def main(argv=None):
     seq_len = ckpt["model_config"]["seq_len"]
     if args.max_len > seq_len:  # the model has no position embedding beyond that
         die(f"--max-len {args.max_len}: must be from 4 to {seq_len}, the checkpoint's length")
+    try:
+        device = pick_device(args.device)
+        torch.empty(0, device=device)  # a device that is not there fails here, not mid-run
+    except (RuntimeError, AssertionError) as e:
+        die(f"--device {args.device}: {str(e).splitlines()[0][-120:]}")
     results, trials, settings = load_results(args.out)
     check_writable(args.out)
     data = {}
@@ -447,7 +452,6 @@ def main(argv=None):
         data[task] = {s: read_tsv(os.path.join(folder, f), task)
                       for s, f in {"train": "train.tsv", **DEV[task]}.items()}
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
-    device = pick_device(args.device)
     for task in args.tasks:
         print(f"{task}: encoding {sum(map(len, data[task].values())):,} examples", flush=True)
         splits = {s: encode(enc, specials, rows, args.max_len)

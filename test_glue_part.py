@@ -289,7 +289,8 @@ def test_glue_flags_out_of_range(glue_run):
                        (["--max-len", "3"], "--max-len 3: must be at least 4"),
                        (["--max-len", "65"], "--max-len 65: must be from 4 to 64"),
                        (["--tasks", ","], "--tasks: name at least one task"),
-                       (["--epochs", "x"], "argument --epochs: invalid int value: 'x'")]:
+                       (["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),
+                       (["--device", "nope"], "--device nope: .*device string: nope$")]:
         with pytest.raises(SystemExit, match="^error: " + msg):
             run("--tasks", "rte", *flags)
     assert calls == []
