@@ -3,14 +3,21 @@ prepare.py: raw English text -> a BPE tokenizer trained on it -> packed, memmapp
 
 The Cramming recipe (Geiping & Goldstein 2023): normalise (NFD, strip accents, lowercase),
 drop duplicates and "trash" documents that tokenize badly, train the tokenizer on the
-corpus itself, join documents with [SEP] and cut the stream into 128-token rows.
+corpus itself, join documents with [SEP] and cut the stream into 128-token rows. Worker
+processes parse, normalise and encode; the main process deduplicates, holds out val and
+packs, so the output is byte-identical for any --workers. C4 shards download one ahead.
+
+C4 shards (~0.17 B tokens, ~320 MB of gzip each) for a day that reads each token once:
+    the paper's GPU at the v2 pace     5.5 B tokens/day     33 shards (the default)
+    an H100 at 800k tokens/s            69 B tokens/day    406 shards (--tokens 69e9)
 
     python prepare.py                              # download C4 shards, write data/
     python prepare.py --input corpus.jsonl.gz      # or use local files, fully offline
     python prepare.py --input more.txt --tokenizer data/ --out heldout/   # reuse a vocabulary
 """
-import argparse, base64, gzip, hashlib, heapq, json, os, re, resource, sys, time, unicodedata, zlib
-from collections import Counter, defaultdict
+import argparse, base64, gzip, hashlib, heapq, json, math, multiprocessing, os, re, resource
+import sys, threading, time, unicodedata, zlib
+from collections import Counter, defaultdict, deque
 
 import numpy as np
 import requests
@@ -20,20 +27,28 @@ SPECIALS = ["[PAD]", "[CLS]", "[SEP]", "[MASK]"]
 # GPT-2 style pre-tokenisation, written so Python's `re` (training) and tiktoken's Rust engine
 # (encoding) split text the same way: letters, digits, other symbols, whitespace.
 PATTERN = r"""'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+"""
-C4_URL = "https://huggingface.co/datasets/allenai/c4/resolve/main/en/c4-train.{i:05d}-of-01024.json.gz"
+C4_URL = ("https://huggingface.co/datasets/allenai/c4/resolve/main/en/"
+          "c4-train.{i:05d}-of-01024.json.gz")
+VOCAB_SIZE = 32768  # the paper's vocabulary size
+SEQ_LEN = 128  # the paper's row length: short rows are what make one day enough
+TRASH = 0.3  # the paper: drop documents with more than 0.3 tokens per character (at 32k)
+# English has ~0.22 tokens/char at 32k (measured on C4-like text). The threshold is --trash x
+# the corpus's own tokens/char (on the tokenizer sample) / 0.22: the paper's 0.3 at 32k, and
+# the same ~1.4x of typical English at any vocabulary size.
+TRASH_REF = 0.22
+TRASH_WARN = 0.05  # dropping more than 5% of the text means the filter is hitting normal text
+SAMPLE_MB = 100  # the tokenizer learns from this much text: more barely changes the merges
 VAL_EVERY, VAL_CAP = 200, 1 << 20  # every 200th document is held out, up to ~1M tokens
-RETRIES, BACKOFF = 5, 2.0
+RETRIES, BACKOFF = 5, 2.0  # download attempts and first wait (s), doubling: ~30 s of trouble
+SHARDS, C4_SHARDS = 33, 1024  # the paper's 5.5 B tokens at ~0.17 B per shard; C4 en has 1024
+TASK_BYTES = 1 << 20  # text per worker task: hides the hand-over, small enough to stay flat
+LIMITS = {"vocab_size": (261, 65536), "seq_len": (2, 65536), "trash": (0.01, 100),  # uint16
+          "sample_mb": (0.001, 1e6), "shards": (1, C4_SHARDS), "tokens": (1, 1e13),  # ids
+          "workers": (1, 1024)}
 
 
 def die(msg):
     raise SystemExit(f"error: {msg}")
-
-
-def rate(done, total, t0, unit):
-    """'12.3 MB/s, ETA 0:42' for progress lines."""
-    r = done / max(time.time() - t0, 1e-9)
-    left = (total - done) / r if total and r > 0 else 0
-    return f"{r:,.1f} {unit}/s, ETA {int(left) // 60}:{int(left) % 60:02d}"
 
 
 class Progress:
@@ -53,7 +68,8 @@ class Progress:
         line = f"{self.what}: {done:,.1f}"
         if self.total:
             left = int((self.total - done) / r) if r > 0 else 0
-            line += f"/{self.total:,.1f} {self.unit}, {r:,.1f} {self.unit}/s, ETA {left // 60}:{left % 60:02d}"
+            line += f"/{self.total:,.1f} {self.unit}, {r:,.1f} {self.unit}/s, "
+            line += f"ETA {left // 60}:{left % 60:02d}"
         else:
             line += f" {self.unit}, {r:,.1f} {self.unit}/s"
         print(line + extra, file=sys.stderr, flush=True)
@@ -61,58 +77,82 @@ class Progress:
 
 # ----------------------------------------------------------------------------- download
 def download(url, path):
-    """Stream url to path.part, resume it with a Range request, rename when complete."""
+    """Stream url to path.part, resume it with a Range request, rename when complete. Server
+    errors and cut transfers are retried, each retry said in one line; a 404 is not retried."""
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     part, err = path + ".part", None
-    for attempt in range(RETRIES):
-        if attempt:
-            time.sleep(BACKOFF * 2 ** (attempt - 1))
+    for attempt in range(1, RETRIES + 1):
         have = os.path.getsize(part) if os.path.exists(part) else 0
         try:
             with requests.get(url, stream=True, timeout=(10, 60),
                               headers={"Range": f"bytes={have}-"} if have else {}) as r:
-                if r.status_code == 416:  # the .part already holds everything
+                if r.status_code == 416 and have:  # the .part already holds everything
                     os.replace(part, path)
                     return path
                 if r.status_code not in (200, 206):
                     err = f"HTTP {r.status_code}"
                     if r.status_code < 500 and r.status_code != 429:
                         break  # 404 and friends will not get better by retrying
-                    continue
-                if r.status_code == 200:
-                    have = 0  # server ignored the Range header: start over
-                total = have + int(r.headers.get("Content-Length", 0))
-                t0, done = time.time(), 0
-                with open(part, "ab" if have else "wb") as f:
-                    for block in r.iter_content(1 << 20):
-                        f.write(block)
-                        done += len(block)
-                        print(f"\r{os.path.basename(path)}: {(have + done) / 1e6:,.1f}/{total / 1e6:,.1f} MB, "
-                              f"{rate(done / 1e6, (total - have) / 1e6, t0, 'MB')}", end="", file=sys.stderr)
-                print(file=sys.stderr)
-                if total > have and os.path.getsize(part) != total:
-                    raise IOError(f"truncated: {os.path.getsize(part)} of {total} bytes")
-                os.replace(part, path)
-                return path
-        except (requests.RequestException, IOError) as e:
+                else:
+                    have = have if r.status_code == 206 else 0  # 200: Range ignored, start over
+                    total = have + int(r.headers.get("Content-Length", 0))
+                    progress = Progress(f"download {os.path.basename(path)}", total / 1e6, "MB")
+                    with open(part, "ab" if have else "wb") as f:
+                        for block in r.iter_content(1 << 20):
+                            f.write(block)
+                            progress(f.tell() / 1e6)
+                    if os.path.getsize(part) >= total:
+                        os.replace(part, path)
+                        return path
+                    err = f"truncated: {os.path.getsize(part):,} of {total:,} bytes"
+        except (requests.RequestException, OSError) as e:
             err = f"{type(e).__name__}: {str(e)[:200]}"
+        if attempt < RETRIES:
+            wait = BACKOFF * 2 ** (attempt - 1)
+            print(f"download {url}: {err} (attempt {attempt} of {RETRIES}); waiting {wait:g}s",
+                  file=sys.stderr, flush=True)
+            time.sleep(wait)
     die(f"download failed: {url}: {err}")
 
 
+class Shards:
+    """C4 shards in `folder`. Getting shard i starts shard i + 1 downloading in a thread, so a
+    run takes about max(download, processing). A run stopped and started again resumes the
+    downloads (download() keeps its .part files) and redoes the encoding."""
+
+    def __init__(self, folder, count):
+        self.folder, self.count, self.threads, self.errors, self.waited = folder, count, {}, {}, 0
+
+    def path(self, i):
+        return os.path.join(self.folder, f"c4-train.{i:05d}.json.gz")
+
+    def fetch(self, i):
+        try:
+            download(C4_URL.format(i=i), self.path(i))
+        except (SystemExit, OSError) as e:  # handed over to the main thread by get()
+            self.errors[i] = str(e)
+
+    def get(self, i):
+        for j in (i, i + 1):
+            if j < self.count and j not in self.threads:
+                self.threads[j] = threading.Thread(target=self.fetch, args=(j,), daemon=True)
+                self.threads[j].start()
+        t0 = time.time()
+        self.threads[i].join()
+        self.waited += time.time() - t0
+        if i in self.errors:
+            die(f"{self.path(i)}: {self.errors[i].removeprefix('error: ')}")
+        return self.path(i)
+
+
 # ----------------------------------------------------------------------------- reading
-MARKS = None
-
-
 def normalize(text):
     """NFD, drop combining marks (accents), lowercase, collapse whitespace: the paper's cleaning."""
-    global MARKS
-    if MARKS is None:
-        MARKS = re.compile("[" + "".join(chr(c) for c in range(0x300, 0x110000)
-                                         if unicodedata.category(chr(c)) == "Mn") + "]")
-    if not text.isascii():
-        text = MARKS.sub("", unicodedata.normalize("NFD", text))
+    if not text.isascii():  # a per-character test is ~5x faster than a regex of all ~2k marks
+        nfd = unicodedata.normalize("NFD", text)
+        text = "".join(c for c in nfd if unicodedata.category(c) != "Mn")
     return " ".join(text.lower().split())
 
 
@@ -131,123 +171,194 @@ def input_files(paths):
     return files
 
 
-def documents(files, stats, progress=""):
-    """Yield raw documents from every file; a bad line is skipped and counted, a bad file is fatal."""
-    total, done, t0 = sum(os.path.getsize(f) for f in files), 0, time.time()
-    last = t0
-    for path in files:
-        raw = open(path, "rb")
+def documents(path):
+    """(path:line, is_json, raw bytes) of each document of one file: a .json* line, or a
+    blank-line separated .txt paragraph; the workers decode them. A corrupt file stops the run."""
+    is_json, para, start = ".json" in os.path.basename(path), [], 0
+    with open(path, "rb") as raw:
         f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
-        jsonl, para = ".json" in os.path.basename(path), []
         try:
             for lineno, line in enumerate(f, 1):
-                try:
-                    line = line.decode("utf-8")
-                    if jsonl:
-                        if line.strip():
-                            yield json.loads(line)["text"]
-                    elif line.strip():
-                        para.append(line.strip())
-                    elif para:
-                        yield " ".join(para)
-                        para = []
-                except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-                    stats["bad_lines"] += 1
-                    if stats["bad_lines"] <= 5:
-                        print(f"warning: {path}:{lineno}: skipped ({type(e).__name__}: {str(e)[:80]})", file=sys.stderr)
-                if progress and time.time() - last > 2:
-                    last, pos = time.time(), done + raw.tell()
-                    print(f"{progress}: {pos / 1e6:,.1f}/{total / 1e6:,.1f} MB, {rate(pos / 1e6, total / 1e6, t0, 'MB')}",
-                          file=sys.stderr)
-            if para:
-                yield " ".join(para)
+                line = line.strip()
+                if is_json and line:
+                    yield f"{path}:{lineno}", True, line
+                elif line:
+                    start = start if para else lineno
+                    para.append(line)
+                elif para:
+                    yield f"{path}:{start}", False, b" ".join(para)
+                    para = []
         except (OSError, EOFError, zlib.error) as e:
             die(f"{path}: corrupt or truncated file ({e})")
-        finally:
-            done += raw.tell()
-            raw.close()
+    if para:
+        yield f"{path}:{start}", False, b" ".join(para)
 
 
-def clean(files, stats, progress=""):
-    """Normalised, non-empty, exactly-deduplicated documents."""
-    seen = set()
-    for text in documents(files, stats, progress):
-        stats["documents_read"] += 1
+def tasks(files, tok=None, limit=0.0):
+    """The documents of all files, in order, in tasks of ~TASK_BYTES: (records, tok, limit)."""
+    batch, size = [], 0
+    for path in files:
+        for rec in documents(path):
+            batch.append(rec)
+            size += len(rec[2])
+            if size >= TASK_BYTES:
+                yield batch, tok, limit
+                batch, size = [], 0
+    if batch:
+        yield batch, tok, limit
+
+
+def parse(is_json, raw):
+    """(text, None), or (None, why the line is bad): broken UTF-8 or JSON, no string "text"."""
+    try:
+        doc = json.loads(raw) if is_json else {"text": raw.decode("utf-8")}
+    except ValueError as e:
+        return None, f"{type(e).__name__}: {str(e)[:80]}"
+    text = doc.get("text") if isinstance(doc, dict) else None
+    return (text, None) if isinstance(text, str) else (None, 'no string "text" field')
+
+
+ENCODERS = {}  # in each worker: the tokenizer that tasks name, read once from its file
+
+
+def work(task):
+    """The per-document work, in a worker: parse, normalise, hash; then count pre-tokenised
+    chunks (no tokenizer yet: the tokenizer sample) or encode and check for trash. Returns
+    [(hash, characters, ids | token count if trash | None) or (None, where, why)], Counter."""
+    recs, tok, limit = task
+    if tok and tok["digest"] not in ENCODERS:
+        ENCODERS.clear()
+        with open(tok["file"]) as f:
+            ENCODERS[tok["digest"]] = load_tokenizer(dict(tok, ranks=f.read()))
+    results, counts = [], Counter()
+    for where, is_json, raw in recs:
+        text, why = parse(is_json, raw)
+        if why:
+            results.append((None, where, why))
+            continue
         text = normalize(text)
         key = hashlib.blake2b(text.encode(), digest_size=8).digest()
-        if not text or key in seen:
-            stats["duplicates_dropped" if text else "empty_dropped"] += 1
-            stats["duplicate_chars_dropped"] += len(text)
+        if tok:
+            ids = ENCODERS[tok["digest"]].encode_ordinary(text)
+            is_trash = len(ids) > limit * len(text)
+            results.append((key, len(text), len(ids) if is_trash else np.array(ids, np.uint16)))
+        else:
+            counts.update(re.findall(PATTERN, text))
+            results.append((key, len(text), None))
+    return results, counts
+
+
+def ordered(pool, todo, workers):
+    """(task, work(task)) in order, at most 2 tasks per worker in flight so memory stays flat
+    (Pool.imap would read all of its input ahead). Without a pool the work is done right here."""
+    pending = deque()
+    for task in todo:
+        if pool is None:
+            yield task, work(task)
             continue
-        seen.add(key)
-        yield text
+        pending.append((task, pool.apply_async(work, (task,))))
+        if len(pending) >= 2 * workers:
+            yield pending[0][0], pending.popleft()[1].get()
+    while pending:
+        yield pending[0][0], pending.popleft()[1].get()
 
 
 # ----------------------------------------------------------------------------- tokenizer
+def count_sample(pool, files, args):
+    """Chunk counts of the first --sample-mb of normalised, deduplicated text, and its size.
+    Workers count whole tasks; the few documents they should not have counted (duplicates,
+    those past the sample) are subtracted here. Bad lines are reported by the encoding pass."""
+    counts, seen, size, limit = Counter(), set(), 0, args.sample_mb * 1e6
+    progress = Progress("tokenizer sample", args.sample_mb, "MB")
+    for (recs, _, _), (results, part) in ordered(pool, tasks(files), args.workers):
+        for (where, is_json, raw), (key, n, _) in zip(recs, results):
+            if key and (size >= limit or key in seen):
+                part.subtract(re.findall(PATTERN, normalize(parse(is_json, raw)[0])))
+            elif key:
+                seen.add(key)
+                size += n
+        counts.update(+part)  # +: drops the chunks subtracted to 0
+        progress(size / 1e6)
+        if size >= limit:
+            break
+    return counts, size
+
+
 def train_bpe(counts, n_vocab):
-    """Byte-level BPE on chunk counts. Pair counts are updated incrementally: each merge only
-    touches the chunks that contain the merged pair, and a heap finds the next best pair."""
-    words = [list(w.encode()) for w in counts]
+    """Byte-level BPE on pre-tokenised chunk counts: merge the most frequent pair of adjacent
+    tokens into a new token, again and again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 ->
+    [4, 3, 4]; ties go to the smaller pair. Returns {token bytes: rank} in merge order.
+    For speed a chunk is a str of one character per token, so a merge is str.replace; only
+    the chunks holding the pair are touched (`where`), pair counts change by their net delta,
+    and a heap, its stale entries skipped, finds the next best pair."""
+    words = ["".join(map(chr, w.encode())) for w in counts]
     freq = list(counts.values())
     pairs, where = defaultdict(int), defaultdict(set)
     for i, w in enumerate(words):
-        for p in zip(w, w[1:]):
-            pairs[p] += freq[i]
-            where[p].add(i)
-    heap = [(-c, p) for p, c in pairs.items()]
+        for j in range(len(w) - 1):
+            pairs[w[j:j + 2]] += freq[i]
+            where[w[j:j + 2]].add(i)
+    heap = [(-c, p) for p, c in pairs.items()]  # 2-char strs order like pairs of ints
     heapq.heapify(heap)
     vocab = [bytes([b]) for b in range(256)]
-    t0, last, n_merges = time.time(), time.time(), n_vocab - 256
+    progress = Progress("tokenizer", n_vocab - 256, "merges")
     while len(vocab) < n_vocab and heap:
         c, p = heapq.heappop(heap)
         if -c != pairs.get(p):
             continue  # stale heap entry
         if -c < 2:
             break  # nothing left that repeats: a smaller vocabulary is all this text supports
-        new, changed = len(vocab), set()
-        vocab.append(vocab[p[0]] + vocab[p[1]])
+        new, delta = chr(len(vocab)), defaultdict(int)
+        vocab.append(vocab[ord(p[0])] + vocab[ord(p[1])])
         for i in where.pop(p):
-            w, f, out, j = words[i], freq[i], [], 0
-            while j < len(w):
-                if j + 1 < len(w) and w[j] == p[0] and w[j + 1] == p[1]:
-                    out.append(new)
-                    j += 2
-                else:
-                    out.append(w[j])
-                    j += 1
+            w, out = words[i], words[i].replace(p, new)
             if len(out) == len(w):
-                continue
-            for q in zip(w, w[1:]):
-                pairs[q] -= f
-                changed.add(q)
-            for q in zip(out, out[1:]):
-                pairs[q] += f
-                where[q].add(i)
-                changed.add(q)
+                continue  # `where` still names chunks that an earlier merge took the pair from
+            for j in range(len(w) - 1):
+                delta[w[j:j + 2]] -= freq[i]
+            for j in range(len(out) - 1):
+                delta[out[j:j + 2]] += freq[i]
+                if new in out[j:j + 2]:
+                    where[out[j:j + 2]].add(i)
             words[i] = out
         del pairs[p]
-        changed.discard(p)
-        for q in changed:
-            if pairs[q] > 0:
-                heapq.heappush(heap, (-pairs[q], q))
-            else:
-                del pairs[q]
-        if time.time() - last > 2:
-            last, k = time.time(), len(vocab) - 256
-            print(f"tokenizer: {k:,}/{n_merges:,} merges, {rate(k, n_merges, t0, 'merges')}", file=sys.stderr)
+        for q, d in delta.items():
+            if d and q != p:
+                pairs[q] += d
+                if pairs[q] > 0:
+                    heapq.heappush(heap, (-pairs[q], q))
+                else:
+                    del pairs[q]
+        progress(len(vocab) - 256)
     return {b: i for i, b in enumerate(vocab)}
-
-
-def ranks_text(ranks):
-    """tiktoken's rank-file format: base64(token) rank, one per line."""
-    return "".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in sorted(ranks.items(), key=lambda x: x[1]))
 
 
 def load_tokenizer(tok):
     """tiktoken.Encoding from the dict stored in meta.json / checkpoints (ranks as rank-file text)."""
-    ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in tok["ranks"].splitlines())}
+    ranks = {}
+    for line in tok["ranks"].splitlines():
+        token, rank = line.split()
+        ranks[base64.b64decode(token)] = int(rank)
     return tiktoken.Encoding("cram", pat_str=tok["pattern"], mergeable_ranks=ranks,
                              special_tokens=tok["special_tokens"])
+
+
+def make_tokenizer(pool, files, args, times):
+    """(tokenizer dict, the sample's tokens per character) from the tokenizer sample."""
+    t0 = time.time()
+    counts, chars = count_sample(pool, files, args)
+    if not counts:
+        die(f"no text in {' '.join(args.input or ['the C4 shards'])}")
+    times["tokenizer_count"], t0 = time.time() - t0, time.time()
+    ranks = train_bpe(counts, args.vocab_size - len(SPECIALS))
+    times["tokenizer_train"] = time.time() - t0
+    tok = {"ranks": "".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in ranks.items()),
+           "pattern": PATTERN, "special_tokens": {s: len(ranks) + i for i, s in enumerate(SPECIALS)}}
+    chunks = list(counts)
+    encoded = load_tokenizer(tok).encode_ordinary_batch(chunks, num_threads=args.workers)
+    print(f"tokenizer: {len(ranks) + len(SPECIALS):,} tokens from {chars / 1e6:,.1f} MB in "
+          f"{time.time() - t0 + times['tokenizer_count']:.0f}s", file=sys.stderr)
+    return tok, sum(counts[c] * len(ids) for c, ids in zip(chunks, encoded)) / chars
 
 
 def read_prepared(folder):
@@ -265,24 +376,39 @@ def read_prepared(folder):
             path = os.path.join(folder, f"{split}.bin")
             size = os.path.getsize(path) if os.path.exists(path) else None
             if size != meta[split]["bytes"]:
-                die(f"{path}: {'missing' if size is None else f'{size:,} bytes'}, but meta.json says "
-                    f"{meta[split]['bytes']:,}: damaged; run prepare.py again")
+                die(f"{path}: {'missing' if size is None else f'{size:,} bytes'}, but meta.json "
+                    f"says {meta[split]['bytes']:,}: damaged; run prepare.py again")
             rows[split] = np.memmap(path, dtype=np.uint16, mode="r").reshape(-1, meta["seq_len"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         die(f"{folder}: no prepared data ({type(e).__name__}: {e}); run prepare.py --out {folder}")
     return meta, tok, rows
 
 
+def reuse_tokenizer(folder):
+    """(tokenizer dict, tokens per character of its sample) of an earlier output folder."""
+    meta, tok, _ = read_prepared(folder)
+    try:
+        n_vocab = load_tokenizer(tok).n_vocab
+    except (ValueError, KeyError, TypeError) as e:
+        n_vocab = f"unreadable ({type(e).__name__}: {str(e)[:80]})"
+    if n_vocab != meta["vocab_size"]:
+        die(f"{folder}/{meta['tokenizer_file']}: {n_vocab} tokens, but meta.json says "
+            f"{meta['vocab_size']}: damaged; run prepare.py again")
+    return tok, meta.get("sample_tokens_per_char") or 1 / meta["chars_per_token"]
+
+
 # ----------------------------------------------------------------------------- packing
 class Packer:
-    """Appends documents + [SEP] to a flat uint16 file, keeping only whole rows."""
+    """Appends documents, each followed by [SEP], to path.tmp as whole uint16 rows; the rest
+    waits for the next documents, and the last rest is dropped."""
 
     def __init__(self, path, seq_len, sep):
-        self.path, self.L, self.sep = path, seq_len, sep
-        self.f, self.rest, self.rows, self.sha = open(path + ".tmp", "wb"), np.zeros(0, np.uint16), 0, hashlib.sha256()
+        self.path, self.L, self.sep = path, seq_len, np.array([sep], np.uint16)
+        self.f, self.sha = open(path + ".tmp", "wb"), hashlib.sha256()
+        self.rest, self.rows = self.sep[:0], 0
 
     def add(self, docs):
-        flat = np.concatenate([self.rest] + [np.array(d + [self.sep], np.uint16) for d in docs])
+        flat = np.concatenate([self.rest] + [a for ids in docs for a in (ids, self.sep)])
         n = len(flat) // self.L * self.L
         self.f.write(flat[:n].tobytes())
         self.sha.update(flat[:n].tobytes())
@@ -296,124 +422,182 @@ class Packer:
                 "sha256": self.sha.hexdigest()}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", nargs="+", help="local .txt/.txt.gz (blank-line separated) or .jsonl/.jsonl.gz/.json.gz files or folders; default: download C4")
-    ap.add_argument("--shards", type=int, default=32, help="C4 train shards to download; each is ~320 MB of gzip, ~0.8 GB of text, "
-                    "~0.17 B tokens (an estimate from C4's published size); 32 ~ the paper's 5.5 B tokens")
-    ap.add_argument("--out", default="data", help="output folder: train.bin, val.bin, tokenizer.tiktoken, meta.json")
-    ap.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size including the 4 special tokens")
-    ap.add_argument("--seq-len", type=int, default=128, help="tokens per packed row")
-    ap.add_argument("--trash", type=float, default=0.3, help="drop documents with more than trash x characters tokens")
-    ap.add_argument("--sample-mb", type=float, default=100, help="MB of cleaned text the tokenizer is trained on")
-    ap.add_argument("--tokenizer", help="reuse the tokenizer of an earlier output folder instead of training one")
-    args = ap.parse_args(argv)
-    if not 260 < args.vocab_size <= 65536:
-        die(f"--vocab-size {args.vocab_size}: must be in 261..65536 (rows are stored as uint16)")
-    if args.seq_len < 2:
-        die(f"--seq-len {args.seq_len}: must be at least 2")
-    times, t_start = {}, time.time()
-
-    reused = read_prepared(args.tokenizer)[1] if args.tokenizer else None  # read before --out may be cleared
-    if args.input:
-        files = input_files(args.input)
-    else:
-        raw = os.path.join(args.out, "raw")
-        files = [download(C4_URL.format(i=i), os.path.join(raw, f"c4-train.{i:05d}.json.gz")) for i in range(args.shards)]
-        times["download"] = time.time() - t_start
-    os.makedirs(args.out, exist_ok=True)
-    meta_path = os.path.join(args.out, "meta.json")
-    if os.path.exists(meta_path):
-        os.remove(meta_path)  # a failed run must not leave an old meta.json vouching for new files
-
-    stats = Counter(bad_lines=0)
-    if reused:
-        tok = reused
-    else:
-        t0, counts, size = time.time(), Counter(), 0
-        for text in clean(files, Counter(bad_lines=0), progress="tokenizer sample"):
-            counts.update(re.findall(PATTERN, text))
-            size += len(text)
-            if size >= args.sample_mb * 1e6:
-                break
-        if not counts:
-            die(f"no text in {' '.join(files)}")
-        times["tokenizer_count"], t0 = time.time() - t0, time.time()
-        ranks = train_bpe(counts, args.vocab_size - len(SPECIALS))
-        times["tokenizer_train"] = time.time() - t0
-        tok = {"ranks": ranks_text(ranks), "pattern": PATTERN,
-               "special_tokens": {s: len(ranks) + i for i, s in enumerate(SPECIALS)}}
-        print(f"tokenizer: {len(ranks) + len(SPECIALS):,} tokens from {size / 1e6:,.1f} MB in "
-              f"{times['tokenizer_count'] + times['tokenizer_train']:.0f}s", file=sys.stderr)
-    enc = load_tokenizer(tok)
-    sep = tok["special_tokens"]["[SEP]"]
-
-    # Tokenise in batches on all cores, stream rows to disk: memory stays flat.
-    t0 = time.time()
+def encode(pool, sources, tok, limit, args, stats):
+    """The main process's part of encoding, in document order: exact deduplication, the held-out
+    split (every VAL_EVERY-th kept document, and the first ones until val has a row), packing.
+    `sources` gives lists of files, the next one asked for when the last is done; `stats`
+    collects the counts. Returns the train and val summaries."""
+    seen, s, sep = set(), stats, tok["special_tokens"]["[SEP]"]
     train = Packer(os.path.join(args.out, "train.bin"), args.seq_len, sep)
     val = Packer(os.path.join(args.out, "val.bin"), args.seq_len, sep)
-    tok_path = os.path.join(args.out, "tokenizer.tiktoken")
-    try:
-        batch, n_doc, chars, tokens, val_tokens = [], 0, 0, 0, 0
-
-        def flush():
-            nonlocal n_doc, chars, tokens, val_tokens
-            for text, ids in zip(batch, enc.encode_ordinary_batch(batch, num_threads=os.cpu_count() or 1)):
-                if len(ids) > args.trash * len(text):
-                    stats["trash_dropped"] += 1
-                    stats["trash_chars_dropped"] += len(text)
+    progress = Progress("encode", 0, "MB of text")
+    for files in sources:
+        for _, (results, _) in ordered(pool, tasks(files, tok, limit), args.workers):
+            to_train, to_val = [], []
+            for key, n, ids in results:
+                if key is None:  # a bad line: n says where, ids why
+                    s["bad_lines"] += 1
+                    if s["bad_lines"] <= 5:
+                        print(f"warning: {n}: skipped ({ids})", file=sys.stderr)
                     continue
-                # every 200th document is held out, and the first ones until val has a row
-                if val_tokens < VAL_CAP and (n_doc % VAL_EVERY == 0 or val_tokens < args.seq_len):
-                    val.add([ids])
-                    val_tokens += len(ids) + 1
+                s["documents_read"] += 1
+                if not n or key in seen:
+                    s["duplicates_dropped" if n else "empty_dropped"] += 1
+                    s["duplicate_chars_dropped"] += n
+                    continue
+                seen.add(key)
+                if isinstance(ids, int):
+                    s["trash_dropped"] += 1
+                    s["trash_chars_dropped"] += n
+                    continue
+                if s["val_tokens"] < VAL_CAP and (s["documents"] % VAL_EVERY == 0
+                                                  or s["val_tokens"] < args.seq_len):
+                    to_val.append(ids)
+                    s["val_tokens"] += len(ids) + 1
                 else:
-                    train.add([ids])
-                n_doc, chars, tokens = n_doc + 1, chars + len(text), tokens + len(ids)
-            batch.clear()
+                    to_train.append(ids)
+                s.update(documents=1, characters=n, tokens=len(ids))
+            train.add(to_train)
+            val.add(to_val)
+            progress(s["characters"] / 1e6)
+    return train.close(), val.close()
 
-        for text in clean(files, stats, progress="tokenize"):
-            batch.append(text)
-            if len(batch) == 1024:
-                flush()
-        flush()
-        train_info, val_info = train.close(), val.close()
-        if not train_info["rows"] or not val_info["rows"]:
-            die(f"too little data: {tokens:,} tokens make {train_info['rows']} train and {val_info['rows']} val rows "
-                f"of {args.seq_len}; give more text")
-        times["tokenize_pack"] = time.time() - t0
-        with open(tok_path + ".tmp", "w") as f:
-            f.write(tok["ranks"])
-        meta = {
-            "format": "cram-data-1", "vocab_size": len(enc._mergeable_ranks) + len(SPECIALS), "seq_len": args.seq_len,
-            "dtype": "uint16", "special_tokens": tok["special_tokens"], "pattern": tok["pattern"],
-            "normalization": "NFD, strip combining marks (accents), lowercase, collapse whitespace",
-            "tokenizer_file": "tokenizer.tiktoken", "trash": args.trash,
-            "documents": n_doc, "characters": chars, "tokens": tokens,
-            "chars_per_token": round(chars / max(tokens, 1), 4),
-            "filters": {k: stats[k] for k in ("documents_read", "bad_lines", "empty_dropped", "duplicates_dropped",
-                                              "duplicate_chars_dropped", "trash_dropped", "trash_chars_dropped")},
-            "train": train_info, "val": val_info, "sources": files,
-        }
-        for p in (tok_path, train.path, val.path):
-            os.replace(p + ".tmp", p)
-        with open(meta_path + ".tmp", "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(meta_path + ".tmp", meta_path)  # last: its presence says the folder is complete
-    finally:
-        for p in (tok_path, train.path, val.path, meta_path):
-            if os.path.exists(p + ".tmp"):
-                os.remove(p + ".tmp")
 
-    f = meta["filters"]
-    print(f"documents: {f['documents_read']:,} read, {f['bad_lines']} bad lines, {f['empty_dropped']} empty, "
-          f"{f['duplicates_dropped']:,} duplicates ({f['duplicate_chars_dropped']:,} chars), "
-          f"{f['trash_dropped']:,} trash ({f['trash_chars_dropped']:,} chars) dropped; {n_doc:,} kept")
-    print(f"tokens: {tokens:,} ({meta['chars_per_token']:.2f} chars/token) -> {train_info['rows']:,} train rows, "
-          f"{val_info['rows']:,} val rows of {args.seq_len} in {args.out}/")
+def c4_sources(shards, stats, tokens):
+    """[shard] after shard for encode(); with --tokens, shard 0 tells how many are needed."""
+    i = 0
+    while i < shards.count:
+        yield [shards.get(i)]
+        if i == 0 and tokens:
+            shards.count = min(C4_SHARDS, math.ceil(tokens / max(stats["tokens"], 1)))
+            print(f"--tokens {tokens:g}: shard 0 gave {stats['tokens']:,} tokens "
+                  f"({stats['tokens'] / os.path.getsize(shards.path(0)):.2f} per byte of gzip), "
+                  f"so {shards.count} shards", file=sys.stderr)
+        i += 1
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    arg = ap.add_argument
+    arg("--input", nargs="+", help="local .txt/.txt.gz (blank-line separated paragraphs) or "
+        ".jsonl/.jsonl.gz/.json.gz files or folders; default: download C4")
+    arg("--shards", type=int, help=f"C4 shards to download (default {SHARDS}, ~the paper's 5.5 B "
+        "tokens); each ~320 MB of gzip, ~0.8 GB of text, ~0.17 B tokens")
+    arg("--tokens", type=float, help="instead of --shards: enough C4 shards for this many tokens, "
+        "estimated from the first shard (e.g. 69e9: an H100 day)")
+    arg("--out", default="data", help="output folder: train.bin, val.bin, tokenizer.tiktoken, "
+        "meta.json (swapped in only when complete)")
+    arg("--vocab-size", type=int, default=VOCAB_SIZE, help="vocabulary incl. the 4 specials")
+    arg("--seq-len", type=int, default=SEQ_LEN, help="tokens per packed row")
+    arg("--trash", type=float, default=TRASH, help="drop documents of more than trash tokens per "
+        "character at 32k on English; scaled by the corpus's tokens/char at other sizes")
+    arg("--sample-mb", type=float, default=SAMPLE_MB, help="MB of text the tokenizer learns from")
+    arg("--tokenizer", help="reuse the tokenizer of an earlier output folder instead of training")
+    arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
+    args = ap.parse_args(argv)
+    for name, (lo, hi) in LIMITS.items():
+        value = getattr(args, name)
+        if value is not None and not lo <= value <= hi:
+            die(f"--{name.replace('_', '-')} {value:g}: must be in {lo:g}..{hi:g}")
+    if args.input and (args.tokens or args.shards):
+        die("--tokens and --shards choose C4 shards: not with --input")
+    if args.tokens and args.shards:
+        die("--tokens picks the number of shards: give it or --shards, not both")
+    return args
+
+
+def build(args, pool, files, times):
+    """Tokenizer, encoding and packing, all written under .tmp names; returns meta."""
+    shards = None if files else Shards(os.path.join(args.out, "raw"), args.shards or SHARDS)
+    if args.tokens:
+        shards.count = C4_SHARDS  # until the first shard tells
+    if args.tokenizer:
+        tok, per_char = reuse_tokenizer(args.tokenizer)
+    else:
+        sample_files = files or map(shards.get, range(shards.count))
+        tok, per_char = make_tokenizer(pool, sample_files, args, times)
+    tok_file = os.path.join(args.out, "tokenizer.tiktoken")
+    write_synced(tok_file + ".tmp", tok["ranks"])
+    digest = hashlib.sha256(tok["ranks"].encode()).hexdigest()
+    spec = dict(tok, ranks=None, file=tok_file + ".tmp", digest=digest)  # what workers load
+    limit, stats, t0 = args.trash * per_char / TRASH_REF, Counter(bad_lines=0), time.time()
+    sources = [files] if files else c4_sources(shards, stats, args.tokens)
+    train, val = encode(pool, sources, spec, limit, args, stats)
+    times["encode_pack"] = time.time() - t0
+    if not train["rows"] or not val["rows"]:
+        die(f"too little data: {stats['tokens']:,} tokens make {train['rows']} train and "
+            f"{val['rows']} val rows of {args.seq_len}; give more text")
+    return {
+        "format": "cram-data-1", "vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS),
+        "seq_len": args.seq_len, "dtype": "uint16", "special_tokens": tok["special_tokens"],
+        "pattern": tok["pattern"], "tokenizer_file": "tokenizer.tiktoken",
+        "normalization": "NFD, strip combining marks (accents), lowercase, collapse whitespace",
+        "trash": args.trash, "trash_tokens_per_char": round(limit, 6),
+        "sample_tokens_per_char": round(per_char, 6), "documents": stats["documents"],
+        "characters": stats["characters"], "tokens": stats["tokens"],
+        "chars_per_token": round(stats["characters"] / max(stats["tokens"], 1), 4),
+        "filters": {k: stats[k] for k in ("documents_read", "bad_lines", "empty_dropped",
+                    "duplicates_dropped", "duplicate_chars_dropped", "trash_dropped",
+                    "trash_chars_dropped")},
+        "train": train, "val": val, "sources": files or list(map(shards.path, range(shards.count)))}
+
+
+def write_synced(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def publish(out, meta):
+    """Swap the new files in: the old meta.json goes first (it must never vouch for new files),
+    then the renames, and meta.json last: its presence says that the folder is complete."""
+    meta_path = os.path.join(out, "meta.json")
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    for name in ("tokenizer.tiktoken", "train.bin", "val.bin"):
+        os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+    write_synced(meta_path + ".tmp", json.dumps(meta, indent=1))
+    os.replace(meta_path + ".tmp", meta_path)
+
+
+def report(meta, args, times, t_start):
+    f, chars = meta["filters"], meta["characters"]
+    print(f"documents: {f['documents_read']:,} read, {f['bad_lines']} bad lines, "
+          f"{f['empty_dropped']} empty, {f['duplicates_dropped']:,} duplicates "
+          f"({f['duplicate_chars_dropped']:,} chars), {f['trash_dropped']:,} trash "
+          f"({f['trash_chars_dropped']:,} chars) dropped; {meta['documents']:,} kept")
+    if f["trash_chars_dropped"] > TRASH_WARN * (chars + f["trash_chars_dropped"]):
+        print(f"WARNING: the trash filter dropped {f['trash_chars_dropped']:,} of "
+              f"{chars + f['trash_chars_dropped']:,} characters; if that is normal text, raise "
+              f"--trash (now {args.trash:g})", file=sys.stderr)
+    print(f"tokens: {meta['tokens']:,} ({meta['chars_per_token']:.2f} chars/token) -> "
+          f"{meta['train']['rows']:,} train rows, {meta['val']['rows']:,} val rows of "
+          f"{args.seq_len} in {args.out}/")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()) +
-          f", total {time.time() - t_start:.1f}s; peak memory {peak:,.0f} MB")
+          f", total {time.time() - t_start:.1f}s; peak memory {peak:,.0f} MB (main process)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start, times = time.time(), {}
+    files = input_files(args.input) if args.input else None
+    os.makedirs(args.out, exist_ok=True)
+    # one pool for the whole run, started before any download thread: forking is then safe
+    pool = multiprocessing.Pool(args.workers) if args.workers > 1 else None
+    try:
+        meta = build(args, pool, files, times)
+        publish(args.out, meta)
+    finally:
+        if pool:
+            pool.terminate()
+        for name in ("tokenizer.tiktoken", "train.bin", "val.bin", "meta.json"):
+            if os.path.exists(os.path.join(args.out, name + ".tmp")):
+                os.remove(os.path.join(args.out, name + ".tmp"))
+    report(meta, args, times, t_start)
     return meta
 
 
