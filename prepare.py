@@ -100,7 +100,7 @@ def download(url, path):
                     total = have + int(r.headers.get("Content-Length", 0))
                     progress = Progress(f"download {os.path.basename(path)}", total / 1e6, "MB")
                     with open(part, "ab" if have else "wb") as f:
-                        for block in r.iter_content(1 << 20):
+                        for block in r.iter_content(1 << 16):
                             f.write(block)
                             progress(f.tell() / 1e6)
                     if os.path.getsize(part) >= total:
@@ -195,17 +195,18 @@ def documents(path):
 
 
 def tasks(files, tok=None, limit=0.0):
-    """The documents of all files, in order, in tasks of ~TASK_BYTES: (records, tok, limit)."""
-    batch, size = [], 0
+    """The documents of the files, in order, in tasks of ~TASK_BYTES: (records, tok, limit).
+    A task ends with its file, so no shard is read before it is needed."""
     for path in files:
+        batch, size = [], 0
         for rec in documents(path):
             batch.append(rec)
             size += len(rec[2])
             if size >= TASK_BYTES:
                 yield batch, tok, limit
                 batch, size = [], 0
-    if batch:
-        yield batch, tok, limit
+        if batch:
+            yield batch, tok, limit
 
 
 def parse(is_json, raw):

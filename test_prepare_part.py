@@ -171,3 +171,167 @@ def test_c4_download_path(tmp_path, http_server, monkeypatch):
         prepare.main(["--shards", "3", "--out", str(tmp_path), "--vocab-size", "300"])
 
 
+def naive_bpe(counts, n_vocab):
+    """The textbook algorithm, for comparison: count all pairs, merge the best, repeat."""
+    words, vocab = {tuple(w.encode()): c for w, c in counts.items()}, [bytes([b]) for b in range(256)]
+    while len(vocab) < n_vocab:
+        pairs = {}
+        for w, c in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] = pairs.get(p, 0) + c
+        if not pairs or max(pairs.values()) < 2:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        vocab.append(vocab[best[0]] + vocab[best[1]])
+        merged = {}
+        for w, c in words.items():
+            out, j = [], 0
+            while j < len(w):
+                if w[j:j + 2] == best:
+                    out.append(len(vocab) - 1)
+                    j += 2
+                else:
+                    out.append(w[j])
+                    j += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + c
+        words = merged
+    return {b: i for i, b in enumerate(vocab)}
+
+
+def test_bpe_matches_the_textbook_algorithm():
+    rng = random.Random(4)
+    counts = {"".join(rng.choice("aab c") for _ in range(rng.randint(1, 9))): rng.randint(1, 30) for _ in range(300)}
+    counts["aaaaaaa"] = 50  # overlapping pairs
+    assert list(prepare.train_bpe(counts, 330).items()) == list(naive_bpe(counts, 330).items())
+
+
+def test_workers_give_identical_output(tmp_path):
+    docs = make_docs(300, seed=7) + make_docs(20, seed=7)  # 20 duplicates
+    lines = [json.dumps({"text": d}) for d in docs]
+    lines[5], lines[50] = '{"text": null}', "{broken"
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    metas = []
+    for w in ("1", "3"):
+        metas.append(prepare.main(["--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / w), "--vocab-size", "300",
+                                   "--seq-len", "16", "--workers", w, "--sample-mb", "0.02"]))
+        assert metas[-1]["filters"]["bad_lines"] == 2 and metas[-1]["filters"]["duplicates_dropped"] == 19  # doc 5 was replaced
+    assert metas[0] == metas[1]
+    for f in ("train.bin", "val.bin", "tokenizer.tiktoken", "meta.json"):
+        assert (tmp_path / "1" / f).read_bytes() == (tmp_path / "3" / f).read_bytes()
+
+
+def test_failed_rerun_keeps_the_old_folder(tmp_path):
+    meta, out = prep(str(tmp_path), make_docs(200))
+    before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
+    (tmp_path / "short.jsonl").write_text(json.dumps({"text": "a few words"}) + "\n")
+    args = ["--out", out, "--vocab-size", "300", "--seq-len", "32"]
+    with pytest.raises(SystemExit, match="too little data"):
+        prepare.main(["--input", str(tmp_path / "short.jsonl"), *args])
+    with pytest.raises(SystemExit, match="input not found"):
+        prepare.main(["--input", str(tmp_path / "nope.jsonl"), *args])
+    bad_tok = str(tmp_path / "badtok")
+    os.makedirs(bad_tok)
+    for f in ("meta.json", "train.bin", "val.bin"):
+        open(os.path.join(bad_tok, f), "wb").write(before[f])
+    open(os.path.join(bad_tok, "tokenizer.tiktoken"), "w").write("not base64 at all\n!!\n")
+    with pytest.raises(SystemExit, match="badtok/tokenizer.tiktoken: .*unreadable"):
+        prepare.main(["--input", str(tmp_path / "data.jsonl"), "--tokenizer", bad_tok, *args])
+    open(os.path.join(bad_tok, "tokenizer.tiktoken"), "w").write(before["tokenizer.tiktoken"].decode()[:3000])
+    with pytest.raises(SystemExit, match="badtok/tokenizer.tiktoken: .* tokens, but meta.json says 350"):
+        prepare.main(["--input", str(tmp_path / "data.jsonl"), "--tokenizer", bad_tok, *args])
+    assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before  # nothing lost, no .tmp
+    assert prepare.read_prepared(out)[0] == meta
+
+
+def test_trash_filter_scales_with_the_vocabulary(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    cjk = ["".join(map(chr, rng.integers(0x4e00, 0x9fff, 300))) for _ in range(20)]
+    write_jsonl(str(tmp_path / "en.jsonl"), make_docs(300))
+    for vocab in ("261", "2048"):  # at 261 English has ~0.8 tokens/char: a fixed 0.3 would drop it all
+        meta = prepare.main(["--input", str(tmp_path / "en.jsonl"), "--out", str(tmp_path / vocab),
+                             "--vocab-size", vocab, "--seq-len", "16"])
+        assert meta["documents"] == 300 and meta["filters"]["trash_dropped"] == 0
+    assert meta["sample_tokens_per_char"] < 0.3 < prepare.read_prepared(str(tmp_path / "261"))[0]["sample_tokens_per_char"]
+    assert "--trash" not in capsys.readouterr().err
+    write_jsonl(str(tmp_path / "mixed.jsonl"), make_docs(80) + cjk)
+    meta = prepare.main(["--input", str(tmp_path / "mixed.jsonl"), "--out", str(tmp_path / "m"),
+                         "--vocab-size", "261", "--seq-len", "16"])
+    assert meta["documents"] == 80 and meta["filters"]["trash_dropped"] == 20
+    err = capsys.readouterr().err
+    assert "WARNING: the trash filter dropped" in err and "raise --trash" in err
+
+
+def test_text_that_is_not_a_string_is_a_bad_line(tmp_path, capsys):
+    lines = [json.dumps({"text": d}) for d in make_docs(100)]
+    lines[1:1] = ['{"text": null}', '{"text": 12}', '{"text": ["a", "b"]}', '{"title": "x"}', "[1, 2]", '"just a string"']
+    (tmp_path / "odd.jsonl").write_text("\n".join(lines) + "\n")
+    meta = prepare.main(["--input", str(tmp_path / "odd.jsonl"), "--out", str(tmp_path / "o"), "--vocab-size", "300",
+                         "--seq-len", "16", "--workers", "2"])
+    assert meta["filters"]["bad_lines"] == 6 and meta["documents"] == 100
+    err = capsys.readouterr().err
+    assert "odd.jsonl:2: skipped" in err and "odd.jsonl:3: skipped" in err and "Traceback" not in err
+
+
+def test_download_retries_are_said(tmp_path, http_server, capsys):
+    url, h = http_server
+    h.FILES["/busy"] = 503
+    with pytest.raises(SystemExit, match=r"download failed: .*/busy: HTTP 503"):
+        prepare.download(url + "/busy", str(tmp_path / "b"))
+    retries = [l for l in capsys.readouterr().err.splitlines() if "/busy" in l]
+    assert len(retries) == prepare.RETRIES - 1
+    assert "HTTP 503 (attempt 1 of 5); waiting 0.01s" in retries[0] and "attempt 4 of 5" in retries[-1]
+
+
+@pytest.mark.parametrize("flag,value", [("--vocab-size", "260"), ("--vocab-size", "70000"), ("--seq-len", "1"),
+                                        ("--trash", "0"), ("--sample-mb", "-1"), ("--shards", "0"),
+                                        ("--shards", "1025"), ("--tokens", "0"), ("--workers", "0")])
+def test_out_of_range_flags(tmp_path, flag, value):
+    with pytest.raises(SystemExit, match=f"error: {flag} {value}: must be in .*\\.\\."):
+        prepare.main([flag, value, "--out", str(tmp_path / "o")])
+    assert not os.path.exists(tmp_path / "o")  # checked before any work
+
+
+def test_flags_that_do_not_go_together(tmp_path):
+    with pytest.raises(SystemExit, match="not with --input"):
+        prepare.main(["--input", "x.jsonl", "--tokens", "1e9", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="not both"):
+        prepare.main(["--shards", "3", "--tokens", "1e9", "--out", str(tmp_path)])
+
+
+def c4_shards(h, n):
+    for i in range(n):
+        h.FILES[f"/c4-{i}.json.gz"] = gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in make_docs(100, i)).encode())
+
+
+def test_tokens_picks_the_number_of_shards(tmp_path, http_server, monkeypatch, capsys):
+    url, h = http_server
+    c4_shards(h, 5)
+    monkeypatch.setattr(prepare, "C4_URL", url + "/c4-{i}.json.gz")
+    args = ["--vocab-size", "300", "--seq-len", "32", "--sample-mb", "0.01", "--workers", "1"]  # no read-ahead
+    one = prepare.main(["--shards", "1", "--out", str(tmp_path / "a"), *args])
+    h.hits.clear()
+    meta = prepare.main(["--tokens", str(2.5 * one["tokens"]), "--out", str(tmp_path / "b"), *args])
+    assert [os.path.basename(s) for s in meta["sources"]] == [f"c4-train.0000{i}.json.gz" for i in range(3)]
+    assert meta["documents"] == 300 and meta["tokens"] > 2.5 * one["tokens"] * 0.9
+    assert sorted(p for p, _ in h.hits) == [f"/c4-{i}.json.gz" for i in range(3)]  # never more than needed
+    assert "so 3 shards" in capsys.readouterr().err
+
+
+def test_c4_shards_stream_and_a_restart_resumes(tmp_path, http_server, monkeypatch):
+    url, h = http_server
+    c4_shards(h, 3)
+    noise = os.urandom(200_000).hex()  # large enough that a cut transfer leaves part of it behind
+    h.FILES["/c4-2.json.gz"] = gzip.compress((json.dumps({"text": noise}) + "\n").encode()) + h.FILES["/c4-2.json.gz"]
+    monkeypatch.setattr(prepare, "C4_URL", url + "/c4-{i}.json.gz")
+    h.BROKEN = {"/c4-2.json.gz"}  # a connection that keeps breaking: the run stops
+    args = ["--shards", "3", "--out", str(tmp_path), "--vocab-size", "300", "--seq-len", "32", "--workers", "2"]
+    with pytest.raises(SystemExit, match="c4-train.00002.json.gz: download failed: .*c4-2.json.gz"):
+        prepare.main(args)
+    raw = sorted(os.listdir(tmp_path / "raw"))
+    assert raw == ["c4-train.00000.json.gz", "c4-train.00001.json.gz", "c4-train.00002.json.gz.part"]
+    assert not os.path.exists(tmp_path / "meta.json")
+    have = os.path.getsize(tmp_path / "raw/c4-train.00002.json.gz.part")
+    h.BROKEN, h.hits[:] = set(), []
+    meta = prepare.main(args)  # started again: shards 0 and 1 are not fetched again, 2 resumes
+    assert have > 0 and h.hits == [("/c4-2.json.gz", f"bytes={have}-")]
+    assert meta["documents"] == 301 and len(meta["sources"]) == 3
