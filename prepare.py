@@ -148,11 +148,19 @@ class Shards:
 
 
 # ----------------------------------------------------------------------------- reading
+NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+
+
+def strip_marks(match):
+    return "".join(c for c in match.group() if unicodedata.category(c) != "Mn")
+
+
 def normalize(text):
-    """NFD, drop combining marks (accents), lowercase, collapse whitespace: the paper's cleaning."""
-    if not text.isascii():  # a per-character test is ~5x faster than a regex of all ~2k marks
-        nfd = unicodedata.normalize("NFD", text)
-        text = "".join(c for c in nfd if unicodedata.category(c) != "Mn")
+    """NFD, drop combining marks (accents), lowercase, collapse whitespace: the paper's cleaning.
+    Only the non-ASCII runs are looked at character by character: ~30x faster than a regex of
+    all ~2,000 marks over the text, with the same output."""
+    if not text.isascii():
+        text = NON_ASCII.sub(strip_marks, unicodedata.normalize("NFD", text))
     return " ".join(text.lower().split())
 
 
@@ -335,11 +343,9 @@ def train_bpe(counts, n_vocab):
 
 
 def load_tokenizer(tok):
-    """tiktoken.Encoding from the dict stored in meta.json / checkpoints (ranks as rank-file text)."""
-    ranks = {}
-    for line in tok["ranks"].splitlines():
-        token, rank = line.split()
-        ranks[base64.b64decode(token)] = int(rank)
+    """tiktoken.Encoding from the dict in meta.json / checkpoints (ranks as rank-file text)."""
+    pairs = (line.split() for line in tok["ranks"].splitlines())
+    ranks = {base64.b64decode(token): int(rank) for token, rank in pairs}
     return tiktoken.Encoding("cram", pat_str=tok["pattern"], mergeable_ranks=ranks,
                              special_tokens=tok["special_tokens"])
 
@@ -352,14 +358,15 @@ def make_tokenizer(pool, files, args, times):
         die(f"no text in {' '.join(args.input or ['the C4 shards'])}")
     times["tokenizer_count"], t0 = time.time() - t0, time.time()
     ranks = train_bpe(counts, args.vocab_size - len(SPECIALS))
+    lines = [f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items()]
+    specials = {s: len(ranks) + i for i, s in enumerate(SPECIALS)}
+    tok = {"ranks": "".join(lines), "pattern": PATTERN, "special_tokens": specials}
+    enc = load_tokenizer(tok)  # the sample's tokens per character set the trash threshold
+    tokens = sum(n * len(enc.encode_ordinary(chunk)) for chunk, n in counts.items())
     times["tokenizer_train"] = time.time() - t0
-    tok = {"ranks": "".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in ranks.items()),
-           "pattern": PATTERN, "special_tokens": {s: len(ranks) + i for i, s in enumerate(SPECIALS)}}
-    chunks = list(counts)
-    encoded = load_tokenizer(tok).encode_ordinary_batch(chunks, num_threads=args.workers)
     print(f"tokenizer: {len(ranks) + len(SPECIALS):,} tokens from {chars / 1e6:,.1f} MB in "
-          f"{time.time() - t0 + times['tokenizer_count']:.0f}s", file=sys.stderr)
-    return tok, sum(counts[c] * len(ids) for c, ids in zip(chunks, encoded)) / chars
+          f"{times['tokenizer_count'] + times['tokenizer_train']:.0f}s", file=sys.stderr)
+    return tok, tokens / chars
 
 
 def read_prepared(folder):
@@ -526,6 +533,8 @@ def build(args, pool, files, times):
     limit, stats, t0 = args.trash * per_char / TRASH_REF, Counter(bad_lines=0), time.time()
     sources = [files] if files else c4_sources(shards, stats, args.tokens)
     train, val = encode(pool, sources, spec, limit, args, stats)
+    if shards:
+        times["download_wait"] = shards.waited
     times["encode_pack"] = time.time() - t0
     if not train["rows"] or not val["rows"]:
         die(f"too little data: {stats['tokens']:,} tokens make {train['rows']} train and "
