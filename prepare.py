@@ -191,7 +191,8 @@ def documents(path):
                 if is_json and line:
                     yield f"{path}:{lineno}", True, line
                 elif line:
-                    start = start if para else lineno
+                    if not para:
+                        start = lineno
                     para.append(line)
                 elif para:
                     yield f"{path}:{start}", False, b" ".join(para)
@@ -267,9 +268,11 @@ def ordered(pool, todo, workers):
             continue
         pending.append((task, pool.apply_async(work, (task,))))
         if len(pending) >= 2 * workers:
-            yield pending[0][0], pending.popleft()[1].get()
+            task, result = pending.popleft()
+            yield task, result.get()
     while pending:
-        yield pending[0][0], pending.popleft()[1].get()
+        task, result = pending.popleft()
+        yield task, result.get()
 
 
 # ----------------------------------------------------------------------------- tokenizer
