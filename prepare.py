@@ -16,7 +16,7 @@ C4 shards (~0.17 B tokens, ~320 MB of gzip each) for a day that reads each token
     python prepare.py --input more.txt --tokenizer data/ --out heldout/   # reuse a vocabulary
 """
 import argparse, base64, gzip, hashlib, heapq, json, math, multiprocessing, os, re, resource
-import sys, threading, time, unicodedata, zlib
+import signal, sys, threading, time, unicodedata, zlib
 from collections import Counter, defaultdict, deque
 
 import numpy as np
@@ -283,13 +283,16 @@ def count_sample(pool, files, args):
     counts, seen, size, limit = Counter(), set(), 0, args.sample_mb * 1e6
     progress = Progress("tokenizer sample", args.sample_mb, "MB")
     for (recs, _, _), (results, part) in ordered(pool, tasks(files), args.workers):
-        for (where, is_json, raw), (key, n, _) in zip(recs, results):
+        unwanted = []
+        for rec, (key, n, _) in zip(recs, results):
             if key and (size >= limit or key in seen):
-                part.subtract(re.findall(PATTERN, normalize(parse(is_json, raw)[0])))
+                unwanted.append(rec)
             elif key:
                 seen.add(key)
                 size += n
-        counts.update(+part)  # +: drops the chunks subtracted to 0
+        for where, is_json, raw in unwanted:
+            part.subtract(re.findall(PATTERN, normalize(parse(is_json, raw)[0])))
+        counts.update(+part if unwanted else part)  # +: drops the chunks subtracted to 0
         progress(size / 1e6)
         if size >= limit:
             break
@@ -323,15 +326,17 @@ def train_bpe(counts, n_vocab):
         new, delta = chr(len(vocab)), defaultdict(int)
         vocab.append(vocab[ord(p[0])] + vocab[ord(p[1])])
         for i in where.pop(p):
-            w, out = words[i], words[i].replace(p, new)
+            w, f = words[i], freq[i]
+            out = w.replace(p, new)
             if len(out) == len(w):
                 continue  # `where` still names chunks that an earlier merge took the pair from
             for j in range(len(w) - 1):
-                delta[w[j:j + 2]] -= freq[i]
+                delta[w[j:j + 2]] -= f
             for j in range(len(out) - 1):
-                delta[out[j:j + 2]] += freq[i]
-                if new in out[j:j + 2]:
-                    where[out[j:j + 2]].add(i)
+                q = out[j:j + 2]
+                delta[q] += f
+                if new in q:
+                    where[q].add(i)
             words[i] = out
         del pairs[p]
         for q, d in delta.items():
@@ -599,8 +604,11 @@ def main(argv=None):
     t_start, times = time.time(), {}
     files = input_files(args.input) if args.input else None
     os.makedirs(args.out, exist_ok=True)
-    # one pool for the whole run, started before any download thread: forking is then safe
-    pool = multiprocessing.Pool(args.workers) if args.workers > 1 else None
+    # One pool for the whole run, started before any download thread (forking is then safe).
+    # Workers ignore Ctrl-C: the main process stops them, without a traceback from each.
+    pool = None
+    if args.workers > 1:
+        pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
     try:
         meta = build(args, pool, files, times)
         publish(args.out, meta)
