@@ -509,9 +509,11 @@ def parse_args(argv):
     arg("--seq-len", type=int, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
     arg("--trash", type=float, default=TRASH, help="drop documents of more than trash tokens per "
         "character at 32k (%(default)s); scaled by the sample's tokens/char at other sizes")
-    arg("--sample-mb", type=float, default=SAMPLE_MB, help="MB the tokenizer learns from (%(default)s)")
+    arg("--sample-mb", type=float, default=SAMPLE_MB, help="MB the tokenizer learns from "
+        "(%(default)s)")
     arg("--tokenizer", help="reuse the tokenizer of an earlier output folder instead of training")
-    arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (all %(default)s cores)")
+    arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all "
+        "%(default)s cores)")
     args = ap.parse_args(argv)
     for name, (lo, hi) in LIMITS.items():
         value = getattr(args, name)
