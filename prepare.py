@@ -405,7 +405,8 @@ def reuse_tokenizer(folder):
     meta, tok, _ = read_prepared(folder)
     path = os.path.join(folder, meta["tokenizer_file"])
     try:
-        n_vocab = load_tokenizer(tok).n_vocab
+        load_tokenizer(tok)
+        n_vocab = len(tok["ranks"].splitlines()) + len(tok["special_tokens"])
     except (ValueError, KeyError, TypeError) as e:
         die(f"{path}: unreadable tokenizer ({type(e).__name__}: {str(e)[:80]}); "
             "run prepare.py again")

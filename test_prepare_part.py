@@ -236,8 +236,9 @@ def test_failed_rerun_keeps_the_old_folder(tmp_path):
     open(os.path.join(bad_tok, "tokenizer.tiktoken"), "w").write("not base64 at all\n!!\n")
     with pytest.raises(SystemExit, match="badtok/tokenizer.tiktoken: .*unreadable"):
         prepare.main(["--input", str(tmp_path / "data.jsonl"), "--tokenizer", bad_tok, *args])
-    open(os.path.join(bad_tok, "tokenizer.tiktoken"), "w").write(before["tokenizer.tiktoken"].decode()[:3000])
-    with pytest.raises(SystemExit, match="badtok/tokenizer.tiktoken: .* tokens, but meta.json says 350"):
+    short = "".join(before["tokenizer.tiktoken"].decode().splitlines(keepends=True)[:300])  # readable, too few
+    open(os.path.join(bad_tok, "tokenizer.tiktoken"), "w").write(short)
+    with pytest.raises(SystemExit, match="badtok/tokenizer.tiktoken: 304 tokens, but meta.json says 350"):
         prepare.main(["--input", str(tmp_path / "data.jsonl"), "--tokenizer", bad_tok, *args])
     assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before  # nothing lost, no .tmp
     assert prepare.read_prepared(out)[0] == meta
