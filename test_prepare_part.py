@@ -205,19 +205,20 @@ def test_bpe_matches_the_textbook_algorithm():
     assert list(prepare.train_bpe(counts, 330).items()) == list(naive_bpe(counts, 330).items())
 
 
-def test_workers_give_identical_output(tmp_path):
+def test_workers_give_identical_output(tmp_path, monkeypatch):
     docs = make_docs(300, seed=7) + make_docs(20, seed=7)  # 20 duplicates
     lines = [json.dumps({"text": d}) for d in docs]
     lines[5], lines[50] = '{"text": null}', "{broken"
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     metas = []
-    for w in ("1", "3"):
-        metas.append(prepare.main(["--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / w), "--vocab-size", "300",
-                                   "--seq-len", "16", "--workers", w, "--sample-mb", "0.02"]))
+    for workers, task_bytes in (("1", 3000), ("3", 3000), ("2", 1 << 20)):  # many tasks, or one
+        monkeypatch.setattr(prepare, "TASK_BYTES", task_bytes)
+        metas.append(prepare.main(["--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / workers),
+                                   "--vocab-size", "300", "--seq-len", "16", "--workers", workers, "--sample-mb", "0.02"]))
         assert metas[-1]["filters"]["bad_lines"] == 2 and metas[-1]["filters"]["duplicates_dropped"] == 19  # doc 5 was replaced
-    assert metas[0] == metas[1]
+    assert metas[0] == metas[1] == metas[2]
     for f in ("train.bin", "val.bin", "tokenizer.tiktoken", "meta.json"):
-        assert (tmp_path / "1" / f).read_bytes() == (tmp_path / "3" / f).read_bytes()
+        assert (tmp_path / "1" / f).read_bytes() == (tmp_path / "3" / f).read_bytes() == (tmp_path / "2" / f).read_bytes()
 
 
 def test_failed_rerun_keeps_the_old_folder(tmp_path):
