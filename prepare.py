@@ -15,8 +15,8 @@ C4 shards (~0.17 B tokens, ~320 MB of gzip each) for a day that reads each token
     python prepare.py --input corpus.jsonl.gz      # or use local files, fully offline
     python prepare.py --input more.txt --tokenizer data/ --out heldout/   # reuse a vocabulary
 """
-import argparse, base64, gzip, hashlib, heapq, json, math, multiprocessing, os, re, resource
-import signal, sys, threading, time, unicodedata, zlib
+import argparse, base64, gzip, hashlib, heapq, itertools, json, math, multiprocessing, os, re
+import resource, signal, sys, threading, time, unicodedata, zlib
 from collections import Counter, defaultdict, deque
 
 import numpy as np
@@ -32,9 +32,8 @@ C4_URL = ("https://huggingface.co/datasets/allenai/c4/resolve/main/en/"
 VOCAB_SIZE = 32768  # the paper's vocabulary size
 SEQ_LEN = 128  # the paper's row length: short rows are what make one day enough
 TRASH = 0.3  # the paper: drop documents with more than 0.3 tokens per character (at 32k)
-# English has ~0.21 tokens/char at 32k (0.212 measured on 105 MB of Wikipedia and books). The
-# threshold is --trash x the corpus's own tokens/char (on the tokenizer sample) / 0.21: the
-# paper's 0.3 at 32k, and the same ~1.4x of typical English at any vocabulary size.
+# English has ~0.21 tokens/char at 32k (0.212 on 105 MB of Wikipedia and books). The threshold
+# is --trash x the sample's own tokens/char / 0.21: ~1.4x typical English at any vocabulary size.
 TRASH_REF = 0.21
 TRASH_WARN = 0.05  # dropping more than 5% of the text means the filter is hitting normal text
 SAMPLE_MB = 100  # the tokenizer learns from this much text: more barely changes the merges
@@ -45,6 +44,7 @@ TASK_BYTES = 1 << 20  # text per worker task: hides the hand-over, small enough 
 LIMITS = {"vocab_size": (261, 65536), "seq_len": (2, 65536), "trash": (0.01, 100),  # uint16
           "sample_mb": (0.001, 1e6), "shards": (1, C4_SHARDS), "tokens": (1, 1e13),  # ids
           "workers": (1, 1024)}
+OUTPUTS = ("tokenizer.tiktoken", "train.bin", "val.bin", "meta.json")  # written as name.tmp first
 
 
 def die(msg):
@@ -64,14 +64,12 @@ class Progress:
         if not force and now - self.last < self.every:
             return
         self.last = now
-        r = done / max(now - self.t0, 1e-9)
-        line = f"{self.what}: {done:,.1f}"
+        rate = done / max(now - self.t0, 1e-9)
+        line = f"{self.what}: {done:,.1f}" + (f"/{self.total:,.1f}" if self.total else "")
+        line += f" {self.unit}, {rate:,.1f} {self.unit}/s"
         if self.total:
-            left = int((self.total - done) / r) if r > 0 else 0
-            line += f"/{self.total:,.1f} {self.unit}, {r:,.1f} {self.unit}/s, "
-            line += f"ETA {left // 60}:{left % 60:02d}"
-        else:
-            line += f" {self.unit}, {r:,.1f} {self.unit}/s"
+            left = int((self.total - done) / rate) if rate > 0 else 0
+            line += f", ETA {left // 60}:{left % 60:02d}"
         print(line + extra, file=sys.stderr, flush=True)
 
 
@@ -82,7 +80,7 @@ def download(url, path):
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    part, err = path + ".part", None
+    part = path + ".part"
     for attempt in range(1, RETRIES + 1):
         have = os.path.getsize(part) if os.path.exists(part) else 0
         try:
@@ -118,8 +116,8 @@ def download(url, path):
 
 
 class Shards:
-    """C4 shards in `folder`. Getting shard i starts shard i + 1 downloading in a thread, so a
-    run takes about max(download, processing). A run stopped and started again resumes the
+    """C4 shards in `folder`, in order: while shard i is in use, shard i + 1 downloads in a thread,
+    so a run takes about max(download, processing). A run stopped and started again resumes the
     downloads (download() keeps its .part files) and redoes the encoding."""
 
     def __init__(self, folder, count):
@@ -131,20 +129,23 @@ class Shards:
     def fetch(self, i):
         try:
             download(C4_URL.format(i=i), self.path(i))
-        except (SystemExit, OSError) as e:  # handed over to the main thread by get()
+        except (SystemExit, OSError) as e:  # handed over to the main thread by __iter__
             self.errors[i] = str(e)
 
-    def get(self, i):
-        for j in (i, i + 1):
-            if j < self.count and j not in self.threads:
-                self.threads[j] = threading.Thread(target=self.fetch, args=(j,), daemon=True)
-                self.threads[j].start()
-        t0 = time.time()
-        self.threads[i].join()
-        self.waited += time.time() - t0
-        if i in self.errors:
-            die(f"{self.path(i)}: {self.errors[i].removeprefix('error: ')}")
-        return self.path(i)
+    def __iter__(self):
+        i = 0
+        while i < self.count:  # not range(): c4_sources() may lower the count on the way
+            for j in (i, i + 1):
+                if j < self.count and j not in self.threads:
+                    self.threads[j] = threading.Thread(target=self.fetch, args=(j,), daemon=True)
+                    self.threads[j].start()
+            t0 = time.time()
+            self.threads[i].join()
+            self.waited += time.time() - t0
+            if i in self.errors:
+                die(f"{self.path(i)}: {self.errors[i].removeprefix('error: ')}")
+            yield self.path(i)
+            i += 1
 
 
 # ----------------------------------------------------------------------------- reading
@@ -186,36 +187,31 @@ def documents(path):
     with open(path, "rb") as raw:
         f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
         try:
-            for lineno, line in enumerate(f, 1):
+            for lineno, line in enumerate(itertools.chain(f, [b""]), 1):  # b"": ends the last
                 line = line.strip()
-                if is_json and line:
-                    yield f"{path}:{lineno}", True, line
-                elif line:
-                    if not para:
-                        start = lineno
+                if line:
+                    start = start if para else lineno
                     para.append(line)
-                elif para:
-                    yield f"{path}:{start}", False, b" ".join(para)
+                if para and (is_json or not line):  # a .json* line, or a paragraph, is complete
+                    yield f"{path}:{start}", is_json, b" ".join(para)
                     para = []
         except (OSError, EOFError, zlib.error) as e:
             die(f"{path}: corrupt or truncated file ({e})")
-    if para:
-        yield f"{path}:{start}", False, b" ".join(para)
 
 
-def tasks(files, tok=None, limit=0.0):
-    """The documents of the files, in order, in tasks of ~TASK_BYTES: (records, tok, limit).
-    A task ends with its file, so no shard is read before it is needed."""
+def tasks(files):
+    """The documents of the files, in order, in tasks of ~TASK_BYTES. A task ends with its file,
+    so no shard is read before it is needed."""
     for path in files:
         batch, size = [], 0
         for rec in documents(path):
             batch.append(rec)
             size += len(rec[2])
             if size >= TASK_BYTES:
-                yield batch, tok, limit
+                yield batch
                 batch, size = [], 0
         if batch:
-            yield batch, tok, limit
+            yield batch
 
 
 def parse(is_json, raw):
@@ -228,18 +224,16 @@ def parse(is_json, raw):
     return (text, None) if isinstance(text, str) else (None, 'no string "text" field')
 
 
-ENCODERS = {}  # in each worker: the tokenizer that tasks name, read once from its file
+ENCODERS = {}  # in each worker (a pool per run): the run's tokenizer, read once from its file
 
 
-def work(task):
+def work(recs, tok, limit):
     """The per-document work, in a worker: parse, normalise, hash; then count pre-tokenised
     chunks (no tokenizer yet: the tokenizer sample) or encode and check for trash. Returns
     [(hash, characters, ids | token count if trash | None) or (None, where, why)], Counter."""
-    recs, tok, limit = task
-    if tok and tok["digest"] not in ENCODERS:
-        ENCODERS.clear()
+    if tok and tok["file"] not in ENCODERS:
         with open(tok["file"]) as f:
-            ENCODERS[tok["digest"]] = load_tokenizer(dict(tok, ranks=f.read()))
+            ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=f.read()))
     results, counts = [], Counter()
     for where, is_json, raw in recs:
         text, why = parse(is_json, raw)
@@ -249,7 +243,7 @@ def work(task):
         text = normalize(text)
         key = hashlib.blake2b(text.encode(), digest_size=8).digest()
         if tok:
-            ids = ENCODERS[tok["digest"]].encode_ordinary(text)
+            ids = ENCODERS[tok["file"]].encode_ordinary(text)
             is_trash = len(ids) > limit * len(text)
             results.append((key, len(text), len(ids) if is_trash else np.array(ids, np.uint16)))
         else:
@@ -258,21 +252,18 @@ def work(task):
     return results, counts
 
 
-def ordered(pool, todo, workers):
-    """(task, work(task)) in order, at most 2 tasks per worker in flight so memory stays flat
-    (Pool.imap would read all of its input ahead). Without a pool the work is done right here."""
+def ordered(pool, files, workers, tok=None, limit=0.0):
+    """(records, work(records, tok, limit)) for the tasks of the files, in order, with at most 2
+    tasks per worker in flight so memory stays flat (Pool.imap would read all its input ahead)."""
     pending = deque()
-    for task in todo:
-        if pool is None:
-            yield task, work(task)
-            continue
-        pending.append((task, pool.apply_async(work, (task,))))
+    for recs in tasks(files):
+        pending.append((recs, pool.apply_async(work, (recs, tok, limit))))
         if len(pending) >= 2 * workers:
-            task, result = pending.popleft()
-            yield task, result.get()
+            recs, result = pending.popleft()
+            yield recs, result.get()
     while pending:
-        task, result = pending.popleft()
-        yield task, result.get()
+        recs, result = pending.popleft()
+        yield recs, result.get()
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -282,17 +273,14 @@ def count_sample(pool, files, args):
     those past the sample) are subtracted here. Bad lines are reported by the encoding pass."""
     counts, seen, size, limit = Counter(), set(), 0, args.sample_mb * 1e6
     progress = Progress("tokenizer sample", args.sample_mb, "MB")
-    for (recs, _, _), (results, part) in ordered(pool, tasks(files), args.workers):
-        unwanted = []
-        for rec, (key, n, _) in zip(recs, results):
-            if key and (size >= limit or key in seen):
-                unwanted.append(rec)
+    for recs, (results, part) in ordered(pool, files, args.workers):
+        for (_, is_json, raw), (key, n, _) in zip(recs, results):
+            if key and (size >= limit or key in seen):  # counted by the worker, but not wanted
+                part.subtract(re.findall(PATTERN, normalize(parse(is_json, raw)[0])))
             elif key:
                 seen.add(key)
                 size += n
-        for where, is_json, raw in unwanted:
-            part.subtract(re.findall(PATTERN, normalize(parse(is_json, raw)[0])))
-        counts.update(+part if unwanted else part)  # +: drops the chunks subtracted to 0
+        counts.update(+part)  # +: without the chunks subtracted to 0
         progress(size / 1e6)
         if size >= limit:
             break
@@ -406,10 +394,10 @@ def reuse_tokenizer(folder):
     path = os.path.join(folder, meta["tokenizer_file"])
     try:
         load_tokenizer(tok)
-        n_vocab = len(tok["ranks"].splitlines()) + len(tok["special_tokens"])
     except (ValueError, KeyError, TypeError) as e:
         die(f"{path}: unreadable tokenizer ({type(e).__name__}: {str(e)[:80]}); "
             "run prepare.py again")
+    n_vocab = len(tok["ranks"].splitlines()) + len(tok["special_tokens"])
     if n_vocab != meta["vocab_size"]:
         die(f"{path}: {n_vocab} tokens, but meta.json says {meta['vocab_size']}: damaged; "
             "run prepare.py again")
@@ -422,7 +410,7 @@ class Packer:
     waits for the next documents, and the last rest is dropped."""
 
     def __init__(self, path, seq_len, sep):
-        self.path, self.L, self.sep = path, seq_len, np.array([sep], np.uint16)
+        self.L, self.sep = seq_len, np.array([sep], np.uint16)
         self.f, self.sha = open(path + ".tmp", "wb"), hashlib.sha256()
         self.rest, self.rows = np.zeros(0, np.uint16), 0
 
@@ -454,7 +442,7 @@ def encode(pool, sources, tok, limit, args, stats):
     val = Packer(os.path.join(args.out, "val.bin"), args.seq_len, sep)
     progress = Progress("encode", 0, "MB of text")
     for files in sources:
-        for _, (results, _) in ordered(pool, tasks(files, tok, limit), args.workers):
+        for _, (results, _) in ordered(pool, files, args.workers, tok, limit):
             to_train, to_val = [], []
             for key, n, ids in results:
                 if key is None:  # a bad line: n says where, ids why
@@ -469,8 +457,7 @@ def encode(pool, sources, tok, limit, args, stats):
                     continue
                 seen.add(key)
                 if isinstance(ids, int):
-                    s["trash_dropped"] += 1
-                    s["trash_chars_dropped"] += n
+                    s.update(trash_dropped=1, trash_chars_dropped=n)
                     continue
                 if s["val_tokens"] < VAL_CAP and (s["documents"] % VAL_EVERY == 0
                                                   or s["val_tokens"] < args.seq_len):
@@ -487,15 +474,13 @@ def encode(pool, sources, tok, limit, args, stats):
 
 def c4_sources(shards, stats, tokens):
     """[shard] after shard for encode(); with --tokens, shard 0 tells how many are needed."""
-    i = 0
-    while i < shards.count:
-        yield [shards.get(i)]
+    for i, path in enumerate(shards):
+        yield [path]
         if i == 0 and tokens:
             shards.count = min(C4_SHARDS, math.ceil(tokens / max(stats["tokens"], 1)))
             print(f"--tokens {tokens:g}: shard 0 gave {stats['tokens']:,} tokens "
                   f"({stats['tokens'] / os.path.getsize(shards.path(0)):.2f} per byte of gzip), "
                   f"so {shards.count} shards", file=sys.stderr)
-        i += 1
 
 
 # ----------------------------------------------------------------------------- main
@@ -534,19 +519,16 @@ def parse_args(argv):
 
 def build(args, pool, files, times):
     """Tokenizer, encoding and packing, all written under .tmp names; returns meta."""
-    shards = None if files else Shards(os.path.join(args.out, "raw"), args.shards or SHARDS)
-    if args.tokens:
-        shards.count = C4_SHARDS  # until the first shard tells
+    count = C4_SHARDS if args.tokens else args.shards or SHARDS  # --tokens: shard 0 will tell
+    shards = None if files else Shards(os.path.join(args.out, "raw"), count)
     if args.tokenizer:
         tok, per_char = reuse_tokenizer(args.tokenizer)
     else:
-        sample_files = files or map(shards.get, range(shards.count))
-        tok, per_char = make_tokenizer(pool, sample_files, args, times)
-    tok_file = os.path.join(args.out, "tokenizer.tiktoken")
-    write_synced(tok_file + ".tmp", tok["ranks"])
-    digest = hashlib.sha256(tok["ranks"].encode()).hexdigest()
-    spec = dict(tok, ranks=None, file=tok_file + ".tmp", digest=digest)  # what workers load
-    limit, stats, t0 = args.trash * per_char / TRASH_REF, Counter(bad_lines=0), time.time()
+        tok, per_char = make_tokenizer(pool, files or shards, args, times)
+    tok_file = os.path.join(args.out, "tokenizer.tiktoken.tmp")
+    write_synced(tok_file, tok["ranks"])
+    spec = dict(tok, ranks=None, file=tok_file)  # the workers read the ranks from the file
+    limit, stats, t0 = args.trash * per_char / TRASH_REF, Counter(), time.time()
     sources = [files] if files else c4_sources(shards, stats, args.tokens)
     train, val = encode(pool, sources, spec, limit, args, stats)
     if shards:
@@ -563,11 +545,11 @@ def build(args, pool, files, times):
         "trash": args.trash, "trash_tokens_per_char": round(limit, 6),
         "sample_tokens_per_char": round(per_char, 6), "documents": stats["documents"],
         "characters": stats["characters"], "tokens": stats["tokens"],
-        "chars_per_token": round(stats["characters"] / max(stats["tokens"], 1), 4),
+        "chars_per_token": round(stats["characters"] / stats["tokens"], 4),
         "filters": {k: stats[k] for k in ("documents_read", "bad_lines", "empty_dropped",
                     "duplicates_dropped", "duplicate_chars_dropped", "trash_dropped",
                     "trash_chars_dropped")},
-        "train": train, "val": val, "sources": files or list(map(shards.path, range(shards.count)))}
+        "train": train, "val": val, "sources": files or [shards.path(i) for i in range(shards.count)]}
 
 
 def write_synced(path, text):
@@ -580,13 +562,11 @@ def write_synced(path, text):
 def publish(out, meta):
     """Swap the new files in: the old meta.json goes first (it must never vouch for new files),
     then the renames, and meta.json last: its presence says that the folder is complete."""
-    meta_path = os.path.join(out, "meta.json")
-    if os.path.exists(meta_path):
-        os.remove(meta_path)
-    for name in ("tokenizer.tiktoken", "train.bin", "val.bin"):
+    write_synced(os.path.join(out, "meta.json.tmp"), json.dumps(meta, indent=1))
+    if os.path.exists(os.path.join(out, "meta.json")):
+        os.remove(os.path.join(out, "meta.json"))
+    for name in OUTPUTS:  # meta.json is the last
         os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
-    write_synced(meta_path + ".tmp", json.dumps(meta, indent=1))
-    os.replace(meta_path + ".tmp", meta_path)
 
 
 def report(meta, args, times, t_start):
@@ -615,16 +595,13 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     # One pool for the whole run, started before any download thread (forking is then safe).
     # Workers ignore Ctrl-C: the main process stops them, without a traceback from each.
-    pool = None
-    if args.workers > 1:
-        pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
+    pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
     try:
         meta = build(args, pool, files, times)
         publish(args.out, meta)
     finally:
-        if pool:
-            pool.terminate()
-        for name in ("tokenizer.tiktoken", "train.bin", "val.bin", "meta.json"):
+        pool.terminate()
+        for name in OUTPUTS:  # what a failed run left behind
             if os.path.exists(os.path.join(args.out, name + ".tmp")):
                 os.remove(os.path.join(args.out, name + ".tmp"))
     report(meta, args, times, t_start)
