@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from prepare import Progress, die, download, load_tokenizer, normalize
-from cram import ModelConfig, Crammed, load_checkpoint, pick_device
+from cram import ModelConfig, Crammed, load_checkpoint, load_model, pick_device
 
 # ----------------------------------------------------------------------------- the "sane" recipe
 LR = 4e-5            # peak AdamW learning rate
@@ -65,15 +65,17 @@ REFERENCE = {"BERT-base, fully trained": [83.2, 83.4, 91.9, 86.7, 59.2, 90.6, 87
 
 def task_name(name):
     """'sst2', 'SST-2', 'Sst-2' -> 'SST-2'."""
-    key = {t.lower().replace("-", ""): t for t in TASKS}
-    if name.strip().lower().replace("-", "") not in key:
-        die(f"unknown GLUE task {name!r}: choose from {','.join(key)}")
-    return key[name.strip().lower().replace("-", "")]
+    known = {t.lower().replace("-", ""): t for t in TASKS}
+    key = name.strip().lower().replace("-", "")
+    if key not in known:
+        die(f"unknown GLUE task {name!r}: choose from {','.join(known)}")
+    return known[key]
 
 
 # ----------------------------------------------------------------------------- data files
 def write_atomic(path, data):
     """Write beside path, then rename: a half-written file never looks complete."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "wb") as f:
         f.write(data)
     os.replace(path + ".tmp", path)
@@ -92,7 +94,7 @@ def build_mrpc(folder, need):
     src = fetch(MRPC_URL, os.path.join(folder, "msr_paraphrase_train.txt"), folder, need)
     ids = fetch(MRPC_DEV_IDS_URL, os.path.join(folder, "mrpc_dev_ids.tsv"), folder, need)
     with open(ids, encoding="utf-8-sig") as f:
-        dev_ids = {tuple(line.split()) for line in f if line.strip()}
+        dev_ids = {tuple(line.split()) for line in f}
     with open(src, encoding="utf-8") as f:  # the header keeps its BOM, as in GLUE's files
         header = f.readline().rstrip("\r\n")
         out = {"train.tsv": [header], "dev.tsv": [header]}
@@ -116,15 +118,15 @@ def ensure_task(task, glue_dir):
         return folder
     zpath = os.path.join(glue_dir, TASKS[task][0] + ".zip")
     fetch(GLUE_URL.format(TASKS[task][0]), zpath, folder, need)
-    os.makedirs(folder, exist_ok=True)
     try:
         with zipfile.ZipFile(zpath) as z:
-            for name in need:  # the shallowest member of that name: RTE/train.tsv, not deeper
-                found = [m for m in z.namelist() if m.rsplit("/", 1)[-1] == name]
+            # shallowest first, so that RTE/train.tsv wins over RTE/original/train.tsv
+            members = sorted(z.namelist(), key=lambda m: m.count("/"))
+            for name in need:
+                found = [m for m in members if os.path.basename(m) == name]
                 if not found:
                     die(f"{zpath} has no {name}")
-                member = min(found, key=lambda m: m.count("/"))
-                write_atomic(os.path.join(folder, name), z.read(member))
+                write_atomic(os.path.join(folder, name), z.read(found[0]))
     except zipfile.BadZipFile:
         die(f"{zpath} is not a valid zip file; delete it and run again")
     os.remove(zpath)
@@ -136,30 +138,29 @@ def read_tsv(path, task):
     _, col_a, col_b, col_y, labels = TASKS[task]
     if not os.path.exists(path):
         die(f"missing GLUE file {path}")
-    header = COLA_HEADER if task == "CoLA" else None
     rows = []
     # tab separated, no quoting; utf-8-sig drops MRPC's BOM; newline="\n" keeps a stray \r
     with open(path, encoding="utf-8-sig", newline="\n") as f:
-        for n, line in enumerate(f, 1):
+        header = COLA_HEADER if task == "CoLA" else f.readline().rstrip("\r\n").split("\t")
+        for c in (col_a, col_b, col_y):
+            if c and c not in header:
+                die(f"{path}:1: no column {c!r} in the header (is this GLUE {task}?)")
+        for n, line in enumerate(f, 1 if task == "CoLA" else 2):
             fields = line.rstrip("\r\n").split("\t")
-            if header is None:
-                header = fields
-                for c in (col_a, col_b, col_y):
-                    if c and c not in header:
-                        die(f"{path}:1: no column {c!r} in the header (is this GLUE {task}?)")
-            elif line.strip("\r\n"):
-                if len(fields) != len(header):
-                    die(f"{path}:{n}: expected {len(header)} tab-separated columns, "
-                        f"found {len(fields)}")
-                row = dict(zip(header, fields))
-                y = row[col_y]
-                if labels is not None and y not in labels:
-                    die(f"{path}:{n}: unknown label {y!r}, expected one of {', '.join(labels)}")
-                try:
-                    y = float(y) if labels is None else labels.index(y)
-                except ValueError:
-                    die(f"{path}:{n}: {col_y} {y!r} is not a number")
-                rows.append((row[col_a], row[col_b] if col_b else None, y))
+            if fields == [""]:
+                continue  # a blank line
+            if len(fields) != len(header):
+                die(f"{path}:{n}: expected {len(header)} tab-separated columns, "
+                    f"found {len(fields)}")
+            row = dict(zip(header, fields))
+            y = row[col_y]
+            if labels is not None and y not in labels:
+                die(f"{path}:{n}: unknown label {y!r}, expected one of {', '.join(labels)}")
+            try:
+                y = float(y) if labels is None else labels.index(y)
+            except ValueError:
+                die(f"{path}:{n}: {col_y} {y!r} is not a number")
+            rows.append((row[col_a], row[col_b] if col_b else None, y))
     if not rows:
         die(f"{path}: no examples")
     return rows
@@ -171,8 +172,7 @@ def truncate(a, b, room):
     len(a)=100, len(b)=60, max_len=128 -> room 125 ([CLS] a [SEP] b [SEP] takes 3); 160 > 125:
     the shorter keeps min(60, 125 // 2) = 60 tokens and a keeps the other 65 -> (65, 60).
     len(a)=100, len(b)=90 -> b keeps min(90, 62) = 62 and a keeps 63: both are cut.
-    A single sentence is a with b = [] and room max_len - 2: a keeps its first room tokens.
-    """
+    A single sentence is a with b = [] and room max_len - 2: a keeps its first room tokens."""
     if len(a) + len(b) <= room:
         return a, b
     short = min(len(a), len(b), room // 2)
@@ -197,12 +197,9 @@ def encode(enc, specials, rows, max_len):
 def batches(ids, ys, order, batch_size, pad, device):
     """Each batch padded only to its longest row, with a mask saying which tokens are real."""
     for i in range(0, len(order), batch_size):
-        rows = [ids[j] for j in order[i:i + batch_size]]
-        lens = torch.tensor([len(r) for r in rows])
-        x = torch.full((len(rows), int(lens.max())), pad, dtype=torch.long)
-        for k, r in enumerate(rows):
-            x[k, :len(r)] = torch.tensor(r)
-        mask = torch.arange(x.shape[1])[None] < lens[:, None]
+        rows = [torch.tensor(ids[j]) for j in order[i:i + batch_size]]
+        x = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
+        mask = x != pad  # encode_ordinary never makes a special token: [PAD] is only padding
         yield x.to(device), mask.to(device), ys[order[i:i + batch_size]].to(device)
 
 
@@ -224,8 +221,7 @@ def pearson(p, y):
     return float(np.sum(p * y) / d) if d else 0.0  # a constant: no correlation, not nan
 
 
-def mcc(p, y):
-    return pearson(p, y)  # for 0/1 labels Matthews' coefficient is exactly Pearson's r
+mcc = pearson  # for 0/1 labels Matthews' coefficient is exactly Pearson's r
 
 
 def ranks(a):
@@ -248,10 +244,11 @@ def score(task, p, y):
 class Classifier(nn.Module):
     """The crammed encoder, v2's pooler on the first token ([CLS], "zero_index"), a linear head."""
 
-    def __init__(self, cfg, n_out):
+    def __init__(self, encoder, n_out):
         super().__init__()
-        self.encoder = Crammed(cfg)
-        self.pooler = nn.Sequential(nn.Linear(cfg.width, HEAD_DIM), nn.Tanh(), nn.Dropout(DROPOUT))
+        self.encoder = encoder
+        width = encoder.config.width
+        self.pooler = nn.Sequential(nn.Linear(width, HEAD_DIM), nn.Tanh(), nn.Dropout(DROPOUT))
         self.head = nn.Linear(HEAD_DIM, n_out)
         for m in self.pooler[0], self.head:  # the encoder's init: normal(0, 0.02)
             nn.init.normal_(m.weight, std=0.02)
@@ -262,7 +259,6 @@ class Classifier(nn.Module):
 
 
 def learning_rate(step, total, peak):
-    """Linear warm-up over the first WARMUP of the steps, then cosine decay to zero."""
     warmup = int(WARMUP * total)
     if step < warmup:
         return peak * step / warmup
@@ -274,19 +270,15 @@ def finetune(ckpt, task, train, devs, args, trial, device, pad):
     torch.manual_seed(args.seed + trial)
     shuffle = torch.Generator().manual_seed(args.seed + trial)
     labels = TASKS[task][4]
-    cfg = ModelConfig(**{**ckpt["model_config"], "dropout": DROPOUT})
-    model = Classifier(cfg, 1 if labels is None else len(labels))
-    if not args.random_init:
-        try:
-            model.encoder.load_state_dict(ckpt["model"])
-        except RuntimeError as e:
-            die(f"{args.ckpt}: weights do not fit its model_config ({str(e).splitlines()[0]})")
-    model.to(device).train()
+    if args.random_init:  # the same model from random weights: the "no pretraining" row
+        encoder = Crammed(ModelConfig(**{**ckpt["model_config"], "dropout": DROPOUT}))
+    else:
+        encoder = load_model(ckpt, args.ckpt, dropout=DROPOUT)
+    model = Classifier(encoder, 1 if labels is None else len(labels)).to(device)
     # bf16 needs no loss scaling; on the CPU autocast is off and everything stays fp32
     amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    # fused on the CPU too: 5x faster than the default loop for small models
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS,
-                            weight_decay=WEIGHT_DECAY, fused=True)
+                            weight_decay=WEIGHT_DECAY, fused=True)  # 5x faster on CPUs too
     n = len(train[0])
     per_epoch = math.ceil(n / args.batch_size)
     progress = Progress(f"{task} trial {trial + 1}/{args.trials}", args.epochs * n, "ex")
@@ -294,7 +286,7 @@ def finetune(ckpt, task, train, devs, args, trial, device, pad):
     for epoch in range(args.epochs):
         loss_sum = torch.zeros((), device=device)  # summed on the device: no sync every step
         order = torch.randperm(n, generator=shuffle)
-        for x, mask, y in batches(*train, order, args.batch_size, pad, device):
+        for i, (x, mask, y) in enumerate(batches(*train, order, args.batch_size, pad, device), 1):
             lr = learning_rate(step, args.epochs * per_epoch, args.lr)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -307,8 +299,8 @@ def finetune(ckpt, task, train, devs, args, trial, device, pad):
             step += 1
             seen += len(y)
             loss_sum += loss.detach()
-            if step % per_epoch == 0 or time.time() - progress.last >= progress.every:
-                mean = loss_sum.item() / (step - epoch * per_epoch)
+            if i == per_epoch or time.time() - progress.last >= progress.every:
+                mean = loss_sum.item() / i
                 extra = f" | epoch {epoch + 1}/{args.epochs} | loss {mean:.4f} | lr {lr:.2e}"
                 progress(seen, extra, force=True)
     model.eval()
@@ -330,20 +322,17 @@ def glue_score(results):
     return avg, [s for s, _ in have]
 
 
-def table_row(label, values):
-    """The nine numbers in COLUMNS order (None: not run), then the GLUE score."""
-    cells = ["-" if v is None else f"{v:.1f}" for v in values]
-    rest = " ".join(f"{c:>6s}" for c in cells[2:])
-    return f"{label:30s} {cells[0] + '/' + cells[1]:>11s} {rest}"
-
-
 def print_table(name, results):
+    """Our row and the paper's, the nine numbers in COLUMNS order (-: not run), then GLUE."""
     avg, over = glue_score(results)
+    ours = [results[s][m] if s in results else None for s, m in COLUMNS] + [avg]
+    rows = [(name, ours)] + [(label, v + [np.mean(v)]) for label, v in REFERENCE.items()]
     names = [s for s, _ in COLUMNS[2:]] + ["GLUE"]
     print(f"\n{'model':30s} {'MNLI m/mm':>11s} " + " ".join(f"{s:>6s}" for s in names))
-    print(table_row(name, [results[s][m] if s in results else None for s, m in COLUMNS] + [avg]))
-    for label, values in REFERENCE.items():
-        print(table_row(label, values + [np.mean(values)]))
+    for label, values in rows:
+        cells = ["-" if v is None else f"{v:.1f}" for v in values]
+        rest = " ".join(f"{c:>6s}" for c in cells[2:])
+        print(f"{label:30s} {cells[0] + '/' + cells[1]:>11s} {rest}")
     if 0 < len(over) < len(COLUMNS):
         print(f"note: the GLUE score here is the mean over {', '.join(over)} only")
 
@@ -356,22 +345,10 @@ def load_results(path):
         with open(path) as f:
             data = json.load(f)
         results = {s: data[s] for t in TASKS for s in DEV[t] if s in data}
-        trials = {s: v for s, v in data.get("trials", {}).items() if s in results}
-        settings = {t: v for t, v in data.get("settings", {}).items() if t in TASKS}
         glue_score(results)  # every number the table needs is there
+        return results, dict(data.get("trials", {})), dict(data.get("settings", {}))
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         die(f"{path}: not a glue.py results file ({type(e).__name__}); move it aside to start anew")
-    return results, trials, settings
-
-
-def check_writable(path):
-    """Fail now, not after hours of fine-tuning, if the results cannot be written to path."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomic(path + ".probe", b"")
-        os.remove(path + ".probe")
-    except OSError as e:
-        die(f"{e.filename or path}: cannot write the results there ({e.strerror})")
 
 
 def save(path, results, trials, settings):
@@ -381,7 +358,7 @@ def save(path, results, trials, settings):
     try:
         write_atomic(path, json.dumps(data, indent=1).encode())
     except OSError as e:
-        die(f"{path}: cannot write the results there ({e.strerror})")
+        die(f"{e.filename or path}: cannot write the results there ({e.strerror})")
 
 
 # ----------------------------------------------------------------------------- main
@@ -392,25 +369,20 @@ class Parser(argparse.ArgumentParser):
 
 def get_args(argv):
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", required=True, help="cram checkpoint to fine-tune")
-    ap.add_argument("--out", help="results file (default: glue.json next to the checkpoint)")
-    ap.add_argument("--glue-dir", default="data/glue",
-                    help="<TASK>/train.tsv, dev.tsv, downloaded if missing (default: %(default)s)")
-    ap.add_argument("--tasks", default="cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte",
-                    help="comma-separated, any case, wnli too (default: %(default)s)")
-    ap.add_argument("--epochs", type=int, default=EPOCHS, help="per task (default: %(default)s)")
-    ap.add_argument("--lr", type=float, default=LR, help="peak AdamW lr (default: %(default)s)")
-    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="(default: %(default)s)")
-    ap.add_argument("--seed", type=int, default=0,
-                    help="trial k uses seed + k - 1 (default: %(default)s)")
-    ap.add_argument("--trials", type=int, default=TRIALS,
-                    help="runs per task; results are their median (default: %(default)s)")
-    ap.add_argument("--max-len", type=int, default=MAX_LEN,
-                    help="tokens per example with [CLS], [SEP] (default: %(default)s)")
-    ap.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
-    ap.add_argument("--random-init", action="store_true",
-                    help="the same model from random weights: the no-pretraining baseline, "
-                         "written to glue-random-init.json")
+    arg = ap.add_argument
+    arg("--ckpt", required=True, help="cram checkpoint to fine-tune")
+    arg("--out", help="results file (default: glue.json next to the checkpoint)")
+    arg("--glue-dir", default="data/glue", help="GLUE task folders (default: %(default)s)")
+    arg("--tasks", default="cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte",
+        help="comma-separated, any case; wnli too (default: %(default)s)")
+    arg("--epochs", type=int, default=EPOCHS, help="per task (default: %(default)s)")
+    arg("--lr", type=float, default=LR, help="peak AdamW lr (default: %(default)s)")
+    arg("--batch-size", type=int, default=BATCH_SIZE, help="(default: %(default)s)")
+    arg("--seed", type=int, default=0, help="trial k uses seed + k - 1 (default: %(default)s)")
+    arg("--trials", type=int, default=TRIALS, help="reports their median (default: %(default)s)")
+    arg("--max-len", type=int, default=MAX_LEN, help="tokens per example (default: %(default)s)")
+    arg("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
+    arg("--random-init", action="store_true", help="no pretraining; into glue-random-init.json")
     args = ap.parse_args(argv)
     checks = [("epochs", args.epochs >= 1, "at least 1"),
               ("lr", 0 < args.lr <= 1, "above 0 and at most 1"),
@@ -435,13 +407,12 @@ def main(argv=None):
     seq_len = ckpt["model_config"]["seq_len"]
     if args.max_len > seq_len:  # the model has no position embedding beyond that
         die(f"--max-len {args.max_len}: must be from 4 to {seq_len}, the checkpoint's length")
-    try:
-        device = pick_device(args.device)
-        torch.empty(0, device=device)  # a device that is not there fails here, not mid-run
-    except (RuntimeError, AssertionError) as e:
-        die(f"--device {args.device}: {str(e).splitlines()[0][-120:]}")
+    device = pick_device(args.device)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        die(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
     results, trials, settings = load_results(args.out)
-    check_writable(args.out)
+    save(args.out + ".probe", results, trials, settings)  # fails now, not hours from now
+    os.remove(args.out + ".probe")
     data = {}
     for task in args.tasks:  # every file first: a bad one should fail now, not hours into the run
         print(f"{task}: reading its files in {args.glue_dir}", flush=True)
@@ -451,7 +422,8 @@ def main(argv=None):
             die(f"{e.filename or args.glue_dir}: {e.strerror}")
         data[task] = {s: read_tsv(os.path.join(folder, f), task)
                       for s, f in {"train": "train.tsv", **DEV[task]}.items()}
-    enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
+    enc = load_tokenizer(ckpt["tokenizer"])
+    specials = ckpt["tokenizer"]["special_tokens"]
     for task in args.tasks:
         print(f"{task}: encoding {sum(map(len, data[task].values())):,} examples", flush=True)
         splits = {s: encode(enc, specials, rows, args.max_len)

@@ -301,7 +301,7 @@ def test_glue_flags_out_of_range(glue_run):
 
 def test_glue_head_help_and_truncation_example(capsys):
     cfg = ModelConfig(vocab_size=260, seq_len=64, layers=1, width=64, heads=2, ffn=128)
-    model = glue.Classifier(cfg, 3)
+    model = glue.Classifier(Crammed(cfg), 3)  # the encoder is built by the caller
     assert glue.HEAD_DIM == 1024 and model.pooler[0].out_features == 1024 and model.head.in_features == 1024
     assert model.pooler[2].p == glue.DROPOUT == 0.1
     assert model(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.bool)).shape == (2, 3)
