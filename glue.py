@@ -379,7 +379,7 @@ def get_args(argv):
     arg("--lr", type=float, default=LR, help="peak AdamW lr (default: %(default)s)")
     arg("--batch-size", type=int, default=BATCH_SIZE, help="(default: %(default)s)")
     arg("--seed", type=int, default=0, help="trial k uses seed + k - 1 (default: %(default)s)")
-    arg("--trials", type=int, default=TRIALS, help="reports their median (default: %(default)s)")
+    arg("--trials", type=int, default=TRIALS, help="runs; median reported (default: %(default)s)")
     arg("--max-len", type=int, default=MAX_LEN, help="tokens per example (default: %(default)s)")
     arg("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
     arg("--random-init", action="store_true", help="no pretraining; into glue-random-init.json")
@@ -411,7 +411,7 @@ def main(argv=None):
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         die(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
     results, trials, settings = load_results(args.out)
-    save(args.out + ".probe", results, trials, settings)  # fails now, not hours from now
+    save(args.out + ".probe", results, trials, settings)  # unwritable? fail now, not hours later
     os.remove(args.out + ".probe")
     data = {}
     for task in args.tasks:  # every file first: a bad one should fail now, not hours into the run
