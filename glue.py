@@ -75,7 +75,7 @@ def task_name(name):
 # ----------------------------------------------------------------------------- data files
 def write_atomic(path, data):
     """Write beside path, then rename: a half-written file never looks complete."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
         f.write(data)
     os.replace(path + ".tmp", path)
@@ -262,7 +262,7 @@ def learning_rate(step, total, peak):
     warmup = int(WARMUP * total)
     if step < warmup:
         return peak * step / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
+    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 
 def finetune(ckpt, task, train, devs, args, trial, device, pad):
