@@ -248,18 +248,24 @@ def load_model(ckpt, path, **overrides):
 
 def save_checkpoint(path, ckpt):
     """Atomic: a crash mid-write leaves the previous checkpoint intact."""
-    with open(path + ".tmp", "wb") as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except OSError as e:  # a full disk, say: say so, and keep the previous checkpoint
+        die(f"{path}: cannot save the checkpoint ({e.strerror}); the previous one is intact")
 
 
 def pick_device(name=None):
     try:
-        return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as e:
         die(f"--device {name}: {e}")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        die(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPUs")
+    return device
 
 
 def claim_out(out, resume):
@@ -406,6 +412,12 @@ def check_data(ckpt, meta, tok, path, data):
         die(f"{path}: trained with another tokenizer than {data}; prepare it with --tokenizer")
 
 
+def peak_tflops(args, device):
+    """The GPU's dense bf16 peak, from --peak-tflops or the table of known GPUs."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return args.peak_tflops or next((p for n, p in PEAK_TFLOPS.items() if n in name), None)
+
+
 def mfu(tok_s, c, world, peak):
     """Model FLOPs utilisation: the share of the GPU's dense bf16 peak the training step uses."""
     return f"{100 * flops_per_token(c) * tok_s / world / (peak * 1e12):.1f}%" if peak else "n/a"
@@ -435,8 +447,8 @@ def build(c, args, device, ckpt=None, ddp=False):
 
 
 class Trainer:
-    """One pretraining run. Its state (step, sequences, elapsed seconds, skipped steps, data
-    position, weights, optimizer, RNG) is what a checkpoint holds, so --resume is exact."""
+    """One pretraining run. Its state (weights, optimizer, RNG, step, sequences, elapsed seconds,
+    skipped steps, data position) is what a checkpoint holds, so --resume is exact."""
 
     def __init__(self, args, rank, world, device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
@@ -457,11 +469,10 @@ class Trainer:
         self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *data_pos)
         self.val, self.masker = rows["val"], Masker(self.tok["special_tokens"], device)
         self.logf = open(os.path.join(args.out, "log.jsonl"), "a") if rank == 0 else None
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        self.peak = args.peak_tflops or next((p for n, p in PEAK_TFLOPS.items() if n in name), None)
+        self.peak = peak_tflops(args, device)
         n = sum(p.numel() for p in self.raw.parameters())
-        self.log(f"crammed BERT: {self.c.layers} layers x {self.c.width}, {n / 1e6:.1f} M parameters, "
-                 f"{flops_per_token(self.c) / 1e9:.3f} GFLOP/token" +
+        self.log(f"crammed BERT: {self.c.layers} layers x {self.c.width}, {n / 1e6:.1f} M "
+                 f"parameters, {flops_per_token(self.c) / 1e9:.3f} GFLOP/token" +
                  (f"; resumed {args.ckpt} at step {self.step}" if ckpt else ""))
 
     def log(self, line, **record):
@@ -512,29 +523,32 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         self.seqs += accum * a.micro_batch * self.world
-        return loss_sum.item() if finite else None
+        if finite:
+            self.losses.append(loss_sum.item())
+        return accum * a.micro_batch * self.world
 
-    def report(self, now, x):
-        """The log line: loss since the last one, tokens/s, MFU, time left."""
+    def report(self, x, batch):
+        """The log line: the mean loss since the last one, tokens/s, MFU, seconds left."""
+        a, now = self.args, time.time()
         tok_s = (self.seqs - self.seqs_log) * self.c.seq_len / (now - self.t_log)
-        r = dict(step=self.step, seqs=self.seqs, tokens=self.seqs * self.c.seq_len,
-                 loss=sum(self.losses) / max(len(self.losses), 1), lr=schedule(x, self.args.lr),
-                 batch=ramp(x, self.args.batch_size, self.args.micro_batch * self.world) *
-                 self.args.micro_batch * self.world, tok_s=round(tok_s),
+        loss = sum(self.losses) / max(len(self.losses), 1)
+        left = (a.steps - self.step) * self.elapsed / self.step if a.steps else a.time - self.elapsed
+        r = dict(step=self.step, seqs=self.seqs, tokens=self.seqs * self.c.seq_len, loss=loss,
+                 lr=schedule(x, a.lr), batch=batch, tok_s=round(tok_s),
                  mfu=mfu(tok_s, self.c, self.world, self.peak), elapsed=round(self.elapsed, 1),
                  skipped=self.skipped)
-        left = (self.args.steps - self.step) * self.elapsed / self.step if self.args.steps \
-            else self.args.time - self.elapsed
-        self.log(f"step {self.step} | {r['tokens'] / 1e6:,.1f}M tok | loss {r['loss']:.4f} | "
-                 f"lr {r['lr']:.2e} | batch {r['batch']} | {tok_s:,.0f} tok/s | mfu {r['mfu']} | "
+        self.log(f"step {self.step} | {r['tokens'] / 1e6:,.1f}M tok | loss {loss:.4f} | lr "
+                 f"{r['lr']:.2e} | batch {batch} | {tok_s:,.0f} tok/s | mfu {r['mfu']} | "
                  f"{self.elapsed:,.0f}s elapsed, {left:,.0f}s left", **r)
         self.t_log, self.seqs_log, self.losses = now, self.seqs, []
 
-    def validate(self):
+    def validate(self, what="", **record):
+        """Held-out masked-LM loss and accuracy on val.bin, logged."""
         loss, acc = evaluate(self.raw, [self.val], self.args.eval_rows, self.masker,
                              self.args.micro_batch, self.device)
-        self.log(f"step {self.step} | val loss {loss:.4f} | val accuracy {100 * acc:.1f}%",
-                 step=self.step, elapsed=round(self.elapsed, 1), val_loss=loss, val_acc=acc)
+        self.log(f"step {self.step} | {what}val loss {loss:.4f}, accuracy {100 * acc:.1f}%",
+                 step=self.step, elapsed=round(self.elapsed, 1), **record, val_loss=loss,
+                 val_acc=acc)
 
     def save(self):
         if self.rank == 0:
@@ -546,6 +560,7 @@ class Trainer:
                 "data": [self.data.epoch, self.data.pos], "rng": torch.get_rng_state()})
 
     def train(self):
+        """The loop: clock, step, and on their own clocks log, evaluate, checkpoint."""
         a = self.args
         self.log(f"budget {f'{a.steps} steps' if a.steps else f'{a.time:.0f}s'}; batch ramps to "
                  f"{a.batch_size} in micro-batches of {a.micro_batch} x {self.world} on "
@@ -553,26 +568,22 @@ class Trainer:
         self.t_start = time.time() - self.elapsed
         self.t_log = self.t_save = self.t_eval = time.time()
         self.seqs_log, self.losses, self.bad_run = self.seqs, [], 0
-        while True:
-            x, stop = self.clock()
-            if stop:
-                break
-            loss = self.train_step(x)
-            if loss is not None:
-                self.losses.append(loss)
-            now = time.time()
-            if now - self.t_log >= a.log_every or self.step == 1:
-                self.report(now, x)
-            if a.eval_every and now - self.t_eval >= a.eval_every:
+        x, stop = self.clock()
+        while not stop:
+            batch = self.train_step(x)
+            if time.time() - self.t_log >= a.log_every or self.step == 1:
+                self.report(x, batch)
+            if a.eval_every and time.time() - self.t_eval >= a.eval_every and self.rank == 0:
                 self.validate()
                 self.t_eval = time.time()
-            if now - self.t_save >= a.save_every:
+            if time.time() - self.t_save >= a.save_every:
                 self.save()
                 self.t_save = time.time()
+            x, stop = self.clock()
         self.finish()
 
     def finish(self):
-        """Save; on a signal, exit saying how to continue; else check replicas and evaluate."""
+        """Save; on a signal, exit saying how to continue; else check the replicas, evaluate."""
         self.elapsed = min(self.elapsed, self.args.time)
         self.save()
         if STOP:
@@ -587,26 +598,20 @@ class Trainer:
             self.log(f"replicas agree: {agree}", step=self.step, ranks_agree=agree, world=self.world)
             if not agree:
                 die("DDP replicas diverged")
-        if self.rank == 0:
-            loss, acc = evaluate(self.raw, [self.val], self.args.eval_rows, self.masker,
-                                 self.args.micro_batch, self.device)
-            self.log(f"done: {self.step} steps, {self.seqs * self.c.seq_len / 1e6:,.1f}M tokens in "
-                     f"{self.elapsed:.0f}s; val loss {loss:.4f}, accuracy {100 * acc:.1f}%; "
-                     f"skipped {self.skipped} steps; {self.args.ckpt}", step=self.step,
-                     seqs=self.seqs, tokens=self.seqs * self.c.seq_len,
-                     elapsed=round(self.elapsed, 1), val_loss=loss, val_acc=acc)
-        if self.world > 1:
             dist.destroy_process_group()
+        if self.rank == 0:
+            self.validate(f"done in {self.elapsed:.0f}s, {self.seqs * self.c.seq_len / 1e6:,.1f}M "
+                          f"tokens, {self.skipped} skipped steps | ", seqs=self.seqs)
 
 
 # ----------------------------------------------------------------------------- bench, eval, fill
 def bench(args, device):
-    """Training steps at the chosen size on random tokens: tokens/s and MFU."""
+    """Training steps on random tokens at the chosen size and micro-batch: tokens/s and MFU."""
     c = ModelConfig(args.vocab_size, 128, args.layers, args.width, args.heads, args.ffn)
     model, raw, opt = build(c, args, device)
     masker = Masker({s: args.vocab_size - 4 + i for i, s in enumerate(SPECIALS)}, device)
     times = []
-    for i in range(3 + args.bench_steps):
+    for i in range(3 + args.bench_steps):  # 3 warm-up steps: compilation, allocator, caches
         rows = torch.randint(0, masker.n_ordinary, (args.micro_batch, c.seq_len))
         t0 = time.time()
         with autocast(device):
@@ -619,9 +624,8 @@ def bench(args, device):
         print(f"bench step {i}: {times[-1] * 1e3:.0f} ms{' (warm-up)' if i < 3 else ''}", flush=True)
     tok_s = args.micro_batch * c.seq_len * args.bench_steps / sum(times[3:])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = args.peak_tflops or next((p for n, p in PEAK_TFLOPS.items() if n in name), None)
     print(f"bench: {name} micro-batch {args.micro_batch} compile={model is not raw} "
-          f"tokens/s={tok_s:.0f} mfu={mfu(tok_s, c, 1, peak)}", flush=True)
+          f"tokens/s={tok_s:.0f} mfu={mfu(tok_s, c, 1, peak_tflops(args, device))}", flush=True)
     return tok_s
 
 
@@ -632,8 +636,8 @@ def eval_ckpt(args, device):
     check_data(ckpt, meta, tok, args.ckpt, args.data)
     model = load_model(ckpt, args.ckpt).to(device)
     n = min(args.eval_rows, len(rows["train"]) + len(rows["val"]))
-    loss, acc = evaluate(model, [rows["train"], rows["val"]], n, Masker(tok["special_tokens"], device),
-                         args.micro_batch, device)
+    loss, acc = evaluate(model, [rows["train"], rows["val"]], n,
+                         Masker(tok["special_tokens"], device), args.micro_batch, device)
     print(f"held-out loss of {args.ckpt} (step {ckpt['step']}) on {n:,} rows of {args.data}: "
           f"{loss:.4f}; it guesses {100 * acc:.1f}% of the masked tokens", flush=True)
     return loss
@@ -667,7 +671,7 @@ def fill(args, device):
         if not positions:
             die(f"--fill {text!r}: no [MASK] in it")
         if len(ids) > model.config.seq_len:
-            die(f"--fill {text!r}: {len(ids)} tokens, longer than the model's {model.config.seq_len}")
+            die(f"--fill {text!r}: {len(ids)} tokens, more than the model's {model.config.seq_len}")
         hidden = model(torch.tensor([ids], device=device))
         probs = model.decode(hidden, torch.tensor([positions], device=device))[0].softmax(-1)
         print(text)

@@ -408,8 +408,6 @@ def main(argv=None):
     if args.max_len > seq_len:  # the model has no position embedding beyond that
         die(f"--max-len {args.max_len}: must be from 4 to {seq_len}, the checkpoint's length")
     device = pick_device(args.device)
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        die(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
     results, trials, settings = load_results(args.out)
     save(args.out + ".probe", results, trials, settings)  # unwritable? fail now, not hours later
     os.remove(args.out + ".probe")
