@@ -16,7 +16,7 @@ C4 shards (~0.17 B tokens, ~320 MB of gzip each) for a day that reads each token
     python prepare.py --input more.txt --tokenizer data/ --out heldout/   # reuse a vocabulary
 """
 import argparse, base64, gzip, hashlib, heapq, itertools, json, math, multiprocessing, os, re
-import resource, signal, sys, threading, time, unicodedata, zlib
+import pathlib, resource, signal, sys, threading, time, unicodedata, zlib
 from collections import Counter, defaultdict, deque
 
 import numpy as np
@@ -41,8 +41,8 @@ VAL_EVERY, VAL_CAP = 200, 1 << 20  # every 200th document is held out, up to ~1M
 RETRIES, BACKOFF = 5, 2.0  # download attempts and first wait (s), doubling: ~30 s of trouble
 SHARDS, C4_SHARDS = 33, 1024  # the paper's 5.5 B tokens at ~0.17 B per shard; C4 en has 1024
 TASK_BYTES = 1 << 20  # text per worker task: hides the hand-over, small enough to stay flat
-LIMITS = {"vocab_size": (261, 65536), "seq_len": (2, 65536), "trash": (0.01, 100),  # uint16
-          "sample_mb": (0.001, 1e6), "shards": (1, C4_SHARDS), "tokens": (1, 1e13),  # ids
+LIMITS = {"vocab_size": (261, 65536), "seq_len": (2, 65536), "trash": (0.01, 100),  # uint16 ids
+          "sample_mb": (0.001, 1e6), "shards": (1, C4_SHARDS), "tokens": (1, 1e13),
           "workers": (1, 1024)}
 OUTPUTS = ("tokenizer.tiktoken", "train.bin", "val.bin", "meta.json")  # written as name.tmp first
 
@@ -214,16 +214,6 @@ def tasks(files):
             yield batch
 
 
-def parse(is_json, raw):
-    """(text, None), or (None, why the line is bad): broken UTF-8 or JSON, no string "text"."""
-    try:
-        doc = json.loads(raw) if is_json else {"text": raw.decode("utf-8")}
-    except ValueError as e:
-        return None, f"{type(e).__name__}: {str(e)[:80]}"
-    text = doc.get("text") if isinstance(doc, dict) else None
-    return (text, None) if isinstance(text, str) else (None, 'no string "text" field')
-
-
 ENCODERS = {}  # in each worker (a pool per run): the run's tokenizer, read once from its file
 
 
@@ -236,9 +226,14 @@ def work(recs, tok, limit):
             ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=f.read()))
     results, counts = [], Counter()
     for where, is_json, raw in recs:
-        text, why = parse(is_json, raw)
-        if why:
-            results.append((None, where, why))
+        try:
+            doc = json.loads(raw) if is_json else {"text": raw.decode("utf-8")}
+        except ValueError as e:  # broken JSON or UTF-8
+            results.append((None, where, f"{type(e).__name__}: {str(e)[:80]}"))
+            continue
+        text = doc.get("text") if isinstance(doc, dict) else None
+        if not isinstance(text, str):
+            results.append((None, where, 'no string "text" field'))
             continue
         text = normalize(text)
         key = hashlib.blake2b(text.encode(), digest_size=8).digest()
@@ -267,26 +262,6 @@ def ordered(pool, files, workers, tok=None, limit=0.0):
 
 
 # ----------------------------------------------------------------------------- tokenizer
-def count_sample(pool, files, args):
-    """Chunk counts of the first --sample-mb of normalised, deduplicated text, and its size.
-    Workers count whole tasks; the few documents they should not have counted (duplicates,
-    those past the sample) are subtracted here. Bad lines are reported by the encoding pass."""
-    counts, seen, size, limit = Counter(), set(), 0, args.sample_mb * 1e6
-    progress = Progress("tokenizer sample", args.sample_mb, "MB")
-    for recs, (results, part) in ordered(pool, files, args.workers):
-        for (_, is_json, raw), (key, n, _) in zip(recs, results):
-            if key and (size >= limit or key in seen):  # counted by the worker, but not wanted
-                part.subtract(re.findall(PATTERN, normalize(parse(is_json, raw)[0])))
-            elif key:
-                seen.add(key)
-                size += n
-        counts.update(+part)  # +: without the chunks subtracted to 0
-        progress(size / 1e6)
-        if size >= limit:
-            break
-    return counts, size
-
-
 def train_bpe(counts, n_vocab):
     """Byte-level BPE on pre-tokenised chunk counts: merge the most frequent pair of adjacent
     tokens into a new token, again and again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 ->
@@ -347,9 +322,22 @@ def load_tokenizer(tok):
 
 
 def make_tokenizer(pool, files, args, times):
-    """(tokenizer dict, the sample's tokens per character) from the tokenizer sample."""
-    t0 = time.time()
-    counts, chars = count_sample(pool, files, args)
+    """(tokenizer dict, its tokens per character) trained on the first --sample-mb of normalised,
+    deduplicated text. Workers count the chunks of whole tasks; the few documents they should not
+    have counted (duplicates, those past the sample) are taken back here."""
+    counts, seen, chars, limit = Counter(), set(), 0, args.sample_mb * 1e6
+    progress, t0 = Progress("tokenizer sample", args.sample_mb, "MB"), time.time()
+    for recs, (results, part) in ordered(pool, files, args.workers):
+        for rec, (key, n, _) in zip(recs, results):
+            if key and (chars >= limit or key in seen):
+                part.subtract(work([rec], None, 0)[1])  # what the worker counted for it
+            elif key:
+                seen.add(key)
+                chars += n
+        counts.update(+part)  # +: without the chunks taken back to 0
+        progress(chars / 1e6)
+        if chars >= limit:
+            break
     if not counts:
         die(f"no text in {' '.join(args.input or ['the C4 shards'])}")
     times["tokenizer_count"], t0 = time.time() - t0, time.time()
@@ -370,11 +358,9 @@ def read_prepared(folder):
     rows are read-only memmaps of shape (N, seq_len). The one place that reads a prepared folder.
     File sizes are checked against meta.json (cheap), so a damaged .bin is named at start-up."""
     try:
-        with open(os.path.join(folder, "meta.json")) as f:
-            meta = json.load(f)
-        with open(os.path.join(folder, meta["tokenizer_file"])) as f:
-            tok = {"ranks": f.read(), "pattern": meta["pattern"],
-                   "special_tokens": meta["special_tokens"]}
+        meta = json.loads(pathlib.Path(folder, "meta.json").read_text())
+        ranks = pathlib.Path(folder, meta["tokenizer_file"]).read_text()
+        tok = {"ranks": ranks, "pattern": meta["pattern"], "special_tokens": meta["special_tokens"]}
         rows = {}
         for split in ("train", "val"):
             path = os.path.join(folder, f"{split}.bin")
@@ -425,8 +411,6 @@ class Packer:
         self.rest, self.rows = flat[n:], self.rows + n // self.L
 
     def close(self):
-        self.f.flush()
-        os.fsync(self.f.fileno())
         self.f.close()
         return {"rows": self.rows, "tokens": self.rows * self.L, "bytes": self.rows * self.L * 2,
                 "sha256": self.sha.hexdigest()}
@@ -488,23 +472,19 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
-    arg("--input", nargs="+", help="local .txt/.txt.gz (blank-line separated paragraphs) or "
-        ".jsonl/.jsonl.gz/.json.gz files or folders; default: download C4")
-    arg("--shards", type=int, help=f"C4 shards to download (default {SHARDS}, ~the paper's 5.5 B "
-        "tokens); each ~320 MB of gzip, ~0.8 GB of text, ~0.17 B tokens")
-    arg("--tokens", type=float, help="instead of --shards: enough C4 shards for this many tokens, "
-        "estimated from the first shard (e.g. 69e9: an H100 day)")
-    arg("--out", default="data", help="output folder: train.bin, val.bin, tokenizer.tiktoken, "
-        "meta.json (swapped in only when complete)")
+    arg("--input", nargs="+", help=".txt (blank-line separated paragraphs), .jsonl, .json.gz, "
+        ".gz of them, or folders of them; default: download C4 shards")
+    arg("--shards", type=int, help=f"C4 shards to download (default {SHARDS}; see the table)")
+    arg("--tokens", type=float, help="instead of --shards: enough shards for this many tokens, "
+        "as shard 0 estimates (e.g. 69e9: an H100 day)")
+    arg("--out", default="data", help="output folder (%(default)s), swapped in when complete")
     arg("--vocab-size", type=int, default=VOCAB_SIZE, help="tokens incl. 4 specials (%(default)s)")
     arg("--seq-len", type=int, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
     arg("--trash", type=float, default=TRASH, help="drop documents of more than trash tokens per "
         "character at 32k (%(default)s); scaled by the sample's tokens/char at other sizes")
-    arg("--sample-mb", type=float, default=SAMPLE_MB, help="MB the tokenizer learns from "
-        "(%(default)s)")
+    arg("--sample-mb", type=float, default=SAMPLE_MB, help="tokenizer sample (%(default)s MB)")
     arg("--tokenizer", help="reuse the tokenizer of an earlier output folder instead of training")
-    arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all "
-        "%(default)s cores)")
+    arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (%(default)s: all cores)")
     args = ap.parse_args(argv)
     for name, (lo, hi) in LIMITS.items():
         value = getattr(args, name)
@@ -526,7 +506,7 @@ def build(args, pool, files, times):
     else:
         tok, per_char = make_tokenizer(pool, files or shards, args, times)
     tok_file = os.path.join(args.out, "tokenizer.tiktoken.tmp")
-    write_synced(tok_file, tok["ranks"])
+    pathlib.Path(tok_file).write_text(tok["ranks"])
     spec = dict(tok, ranks=None, file=tok_file)  # the workers read the ranks from the file
     limit, stats, t0 = args.trash * per_char / TRASH_REF, Counter(), time.time()
     sources = [files] if files else c4_sources(shards, stats, args.tokens)
@@ -549,20 +529,15 @@ def build(args, pool, files, times):
         "filters": {k: stats[k] for k in ("documents_read", "bad_lines", "empty_dropped",
                     "duplicates_dropped", "duplicate_chars_dropped", "trash_dropped",
                     "trash_chars_dropped")},
-        "train": train, "val": val, "sources": files or [shards.path(i) for i in range(shards.count)]}
-
-
-def write_synced(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        "train": train, "val": val,
+        "sources": files or [shards.path(i) for i in range(shards.count)]}
 
 
 def publish(out, meta):
-    """Swap the new files in: the old meta.json goes first (it must never vouch for new files),
-    then the renames, and meta.json last: its presence says that the folder is complete."""
-    write_synced(os.path.join(out, "meta.json.tmp"), json.dumps(meta, indent=1))
+    """Swap the new files in, once all are on disk: the old meta.json goes first (it must never
+    vouch for new files), then the renames, meta.json last: it says that the folder is complete."""
+    pathlib.Path(out, "meta.json.tmp").write_text(json.dumps(meta, indent=1))
+    os.sync()
     if os.path.exists(os.path.join(out, "meta.json")):
         os.remove(os.path.join(out, "meta.json"))
     for name in OUTPUTS:  # meta.json is the last
