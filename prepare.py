@@ -269,8 +269,7 @@ def train_bpe(counts, n_vocab):
     For speed a chunk is a str of one character per token, so a merge is str.replace; only
     the chunks holding the pair are touched (`where`), pair counts change by their net delta,
     and a heap, its stale entries skipped, finds the next best pair."""
-    words = ["".join(map(chr, w.encode())) for w in counts]
-    freq = list(counts.values())
+    words, freq = ["".join(map(chr, w.encode())) for w in counts], list(counts.values())
     pairs, where = defaultdict(int), defaultdict(set)
     for i, w in enumerate(words):
         for j in range(len(w) - 1):
@@ -303,12 +302,9 @@ def train_bpe(counts, n_vocab):
             words[i] = out
         del pairs[p]
         for q, d in delta.items():
-            if d and q != p:
+            if d and q != p:  # a pair down to 0 stays: it never comes back
                 pairs[q] += d
-                if pairs[q] > 0:
-                    heapq.heappush(heap, (-pairs[q], q))
-                else:
-                    del pairs[q]
+                heapq.heappush(heap, (-pairs[q], q))
         progress(len(vocab) - 256)
     return {b: i for i, b in enumerate(vocab)}
 
@@ -381,8 +377,7 @@ def reuse_tokenizer(folder):
     try:
         load_tokenizer(tok)
     except (ValueError, KeyError, TypeError) as e:
-        die(f"{path}: unreadable tokenizer ({type(e).__name__}: {str(e)[:80]}); "
-            "run prepare.py again")
+        die(f"{path}: unreadable ({type(e).__name__}: {str(e)[:80]}); run prepare.py again")
     n_vocab = len(tok["ranks"].splitlines()) + len(tok["special_tokens"])
     if n_vocab != meta["vocab_size"]:
         die(f"{path}: {n_vocab} tokens, but meta.json says {meta['vocab_size']}: damaged; "
@@ -419,8 +414,7 @@ class Packer:
 def encode(pool, sources, tok, limit, args, stats):
     """The main process's part of encoding, in document order: exact deduplication, the held-out
     split (every VAL_EVERY-th kept document, and the first ones until val has a row), packing.
-    `sources` gives lists of files, the next one asked for when the last is done; `stats`
-    collects the counts. Returns the train and val summaries."""
+    `sources` gives lists of files, each asked for when the last is done; counts go to `stats`."""
     seen, s, sep = set(), stats, tok["special_tokens"]["[SEP]"]
     train = Packer(os.path.join(args.out, "train.bin"), args.seq_len, sep)
     val = Packer(os.path.join(args.out, "val.bin"), args.seq_len, sep)
@@ -484,7 +478,7 @@ def parse_args(argv):
         "character at 32k (%(default)s); scaled by the sample's tokens/char at other sizes")
     arg("--sample-mb", type=float, default=SAMPLE_MB, help="tokenizer sample (%(default)s MB)")
     arg("--tokenizer", help="reuse the tokenizer of an earlier output folder instead of training")
-    arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (%(default)s: all cores)")
+    arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (%(default)s)")
     args = ap.parse_args(argv)
     for name, (lo, hi) in LIMITS.items():
         value = getattr(args, name)
