@@ -117,8 +117,7 @@ def download(url, path):
 
 class Shards:
     """C4 shards in `folder`, in order: while shard i is in use, shard i + 1 downloads in a thread,
-    so a run takes about max(download, processing). A run stopped and started again resumes the
-    downloads (download() keeps its .part files) and redoes the encoding."""
+    so a run takes about max(download, processing); a rerun resumes the downloads (.part files)."""
 
     def __init__(self, folder, count):
         self.folder, self.count, self.threads, self.errors, self.waited = folder, count, {}, {}, 0
@@ -350,9 +349,8 @@ def make_tokenizer(pool, files, args, times):
 
 
 def read_prepared(folder):
-    """(meta, tokenizer dict, {"train": rows, "val": rows}) of a folder written by prepare.py;
-    rows are read-only memmaps of shape (N, seq_len). The one place that reads a prepared folder.
-    File sizes are checked against meta.json (cheap), so a damaged .bin is named at start-up."""
+    """(meta, tokenizer dict, {"train", "val": read-only (N, seq_len) memmaps}) of a folder written
+    by prepare.py; sizes are checked against meta.json, so a damaged .bin is named at start-up."""
     try:
         meta = json.loads(pathlib.Path(folder, "meta.json").read_text())
         ranks = pathlib.Path(folder, meta["tokenizer_file"]).read_text()
@@ -551,7 +549,7 @@ def report(meta, args, times, t_start):
     print(f"tokens: {meta['tokens']:,} ({meta['chars_per_token']:.2f} chars/token) -> "
           f"{meta['train']['rows']:,} train rows, {meta['val']['rows']:,} val rows of "
           f"{args.seq_len} in {args.out}/; an H100 day at 800k tokens/s reads "
-          f"{69e9 / max(meta['tokens'], 1):,.1f}x that (see --help)")
+          f"{69e9 / meta['tokens']:,.1f}x that (see --help)")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()) +
           f", total {time.time() - t_start:.1f}s; peak memory {peak:,.0f} MB (main process)")
