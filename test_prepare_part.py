@@ -309,7 +309,7 @@ def test_tokens_picks_the_number_of_shards(tmp_path, http_server, monkeypatch, c
     url, h = http_server
     c4_shards(h, 5)
     monkeypatch.setattr(prepare, "C4_URL", url + "/c4-{i}.json.gz")
-    args = ["--vocab-size", "300", "--seq-len", "32", "--sample-mb", "0.01", "--workers", "1"]  # no read-ahead
+    args = ["--vocab-size", "300", "--seq-len", "32", "--sample-mb", "0.01", "--workers", "1"]  # reads at most one task ahead
     one = prepare.main(["--shards", "1", "--out", str(tmp_path / "a"), *args])
     h.hits.clear()
     meta = prepare.main(["--tokens", str(2.5 * one["tokens"]), "--out", str(tmp_path / "b"), *args])
