@@ -42,11 +42,14 @@ LN_EPS = 1e-12          # LayerNorm epsilon of the official model
 MAX_BAD_STEPS = 20      # non-finite steps in a row before the run gives up
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
 PRESETS = {
-    # the paper's model and batch, for a GPU day
+    # the paper's model and batch: a GPU day wants big batches, 8192 sequences per step
     "crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=MICRO_BATCH,
-                    batch_size=BATCH_SIZE, lr=LR),
-    # a CPU demo: a 4x256 model; on 2 cores, leaving the plateau takes many small steps
-    "tiny": dict(layers=4, width=256, heads=4, ffn=1024, micro_batch=32, batch_size=64, lr=2e-3),
+                    batch_size=BATCH_SIZE, lr=LR, alibi=0.0),
+    # the CPU demo (data prepared with --vocab-size 2048): ten minutes on 2 cores buy a few
+    # thousand steps, so they must be many, small and fast: 2 x 128, 16 sequences a step, a
+    # high lr, and ALiBi's locality so the model need not discover it (see the README)
+    "tiny": dict(layers=2, width=128, heads=2, ffn=512, micro_batch=16, batch_size=16, lr=6e-3,
+                 alibi=1.0),
 }
 PEAK_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "GH200": 989, "A100": 312,
                "L40S": 362, "A6000": 155, "4090": 165, "3090": 71, "L4": 121, "A10": 125}
@@ -63,6 +66,7 @@ class ModelConfig:
     heads: int = 12
     ffn: int = 3072       # split into value and gate halves of ffn/2
     dropout: float = 0.0  # none in pretraining; glue.py fine-tunes with 0.1
+    alibi: float = 0.0    # the CPU demo's distance penalty on attention; the paper has none
 
 
 class Attention(nn.Module):
@@ -136,6 +140,11 @@ class Crammed(nn.Module):
         self.pos_scale = nn.Parameter(torch.tensor(c.width ** -0.5))  # scaled sinusoidal positions
         self.emb_ln = nn.LayerNorm(c.width, eps=LN_EPS)
         self.drop = nn.Dropout(c.dropout)
+        # CPU demo only: ALiBi's fixed penalty slope x |i - j| on the attention scores (slopes
+        # alibi, alibi/2, ... by head) hands a small model the locality it cannot find in minutes
+        slopes = c.alibi * 0.5 ** torch.arange(c.heads)
+        distance = (torch.arange(c.seq_len)[:, None] - torch.arange(c.seq_len)).abs()
+        self.register_buffer("alibi", -slopes[:, None, None] * distance, persistent=False)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
         self.ln_f = nn.LayerNorm(c.width, eps=LN_EPS)
         for m in self.modules():
@@ -145,9 +154,13 @@ class Crammed(nn.Module):
     def forward(self, idx, attn_mask=None, positions=None, labels=None):
         """Hidden states (B, T, width) of ids (B, T); given masked positions and their labels,
         the masked-LM loss instead."""
-        x = self.emb(idx) + self.pos_scale * self.sinusoid[: idx.size(1)]  # (B, T, width)
+        T = idx.size(1)
+        x = self.emb(idx) + self.pos_scale * self.sinusoid[:T]  # (B, T, width)
         x = self.drop(self.emb_ln(x))
         mask = None if attn_mask is None else attn_mask[:, None, None, :]  # (B, 1, 1, T)
+        if self.config.alibi:  # a float mask is added to the scores; -inf where masked out
+            bias = self.alibi[:, :T, :T]  # (heads, T, T)
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
         for block in self.blocks:
             x = block(x, mask)
         x = self.ln_f(x)
@@ -303,6 +316,7 @@ def get_args(argv=None):
         help="crammed: the paper's model and batch; tiny: a CPU demo")
     for k in ("layers", "width", "heads", "ffn"):
         arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
+    arg("--alibi", type=float, help="distance penalty on attention (tiny: 1; the paper: 0)")
     arg("--micro-batch", type=int, help=f"sequences per forward pass ({MICRO_BATCH})")
     arg("--batch-size", type=int, help=f"sequences per step at the end of the ramp ({BATCH_SIZE})")
     arg("--lr", type=float, help=f"peak learning rate ({LR})")
@@ -330,7 +344,7 @@ def get_args(argv=None):
         v = getattr(args, k)
         if v is not None and not (v > 0 and math.isfinite(v)):
             die(f"--{k.replace('_', '-')} {v}: must be a positive finite number")
-    for k in ("log_every", "eval_every"):
+    for k in ("log_every", "eval_every", "alibi"):
         if not getattr(args, k) >= 0:
             die(f"--{k.replace('_', '-')} {getattr(args, k)}: must be 0 or more")
     if args.width % args.heads or args.ffn % 2:
@@ -455,7 +469,7 @@ class Trainer:
         meta, self.tok, rows = read_prepared(args.data)
         self.lock = claim_out(args.out, args.resume) if rank == 0 else None
         self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
-                             args.heads, args.ffn)
+                             args.heads, args.ffn, alibi=args.alibi)
         ckpt = load_checkpoint(args.ckpt) if args.resume else None
         self.step, self.seqs, self.elapsed, self.skipped, data_pos = 0, 0, 0.0, 0, (0, 0)
         if ckpt:
@@ -607,7 +621,8 @@ class Trainer:
 # ----------------------------------------------------------------------------- bench, eval, fill
 def bench(args, device):
     """Training steps on random tokens at the chosen size and micro-batch: tokens/s and MFU."""
-    c = ModelConfig(args.vocab_size, 128, args.layers, args.width, args.heads, args.ffn)
+    c = ModelConfig(args.vocab_size, 128, args.layers, args.width, args.heads, args.ffn,
+                    alibi=args.alibi)
     model, raw, opt = build(c, args, device)
     masker = Masker({s: args.vocab_size - 4 + i for i, s in enumerate(SPECIALS)}, device)
     times = []

@@ -287,3 +287,17 @@ def test_fill_masks_with_top_5(tmp_path, data, capsys):
         cram.main(["--out", str(tmp_path), "--fill", "no mask here"])
     with pytest.raises(SystemExit, match="no checkpoint here"):
         cram.main(["--out", str(tmp_path / "nothing"), "--fill", "a [MASK]"])
+
+
+def test_alibi_penalises_distance_and_respects_padding():
+    torch.manual_seed(0)
+    c = cram.ModelConfig(vocab_size=300, seq_len=16, layers=2, width=32, heads=2, ffn=64, alibi=1.0)
+    model = cram.Crammed(c).eval()
+    assert model.alibi[0, 3, :6].tolist() == [-3, -2, -1, 0, -1, -2]  # slope 1 on head 0
+    assert model.alibi[1, 0, 4].item() == -2  # slope 1/2 on head 1
+    x = torch.randint(0, 296, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[0, 10:] = False  # row 0 is 10 real tokens and padding
+    padded, alone = model(x, mask), model(x[:1, :10])
+    assert torch.allclose(padded[0, :10], alone[0], atol=1e-5)
+    assert cram.get_args(["--preset", "tiny"]).alibi == 1 and cram.get_args([]).alibi == 0
