@@ -544,16 +544,17 @@ class Trainer:
     def report(self, x, batch):
         """The log line: the mean loss since the last one, tokens/s, MFU, seconds left."""
         a, now = self.args, time.time()
+        elapsed = now - self.t_start
         tok_s = (self.seqs - self.seqs_log) * self.c.seq_len / (now - self.t_log)
         loss = sum(self.losses) / max(len(self.losses), 1)
-        left = (a.steps - self.step) * self.elapsed / self.step if a.steps else a.time - self.elapsed
+        left = (a.steps - self.step) * elapsed / self.step if a.steps else a.time - elapsed
         r = dict(step=self.step, seqs=self.seqs, tokens=self.seqs * self.c.seq_len, loss=loss,
                  lr=schedule(x, a.lr), batch=batch, tok_s=round(tok_s),
-                 mfu=mfu(tok_s, self.c, self.world, self.peak), elapsed=round(self.elapsed, 1),
+                 mfu=mfu(tok_s, self.c, self.world, self.peak), elapsed=round(elapsed, 1),
                  skipped=self.skipped)
         self.log(f"step {self.step} | {r['tokens'] / 1e6:,.1f}M tok | loss {loss:.4f} | lr "
                  f"{r['lr']:.2e} | batch {batch} | {tok_s:,.0f} tok/s | mfu {r['mfu']} | "
-                 f"{self.elapsed:,.0f}s elapsed, {left:,.0f}s left", **r)
+                 f"{elapsed:,.0f}s elapsed, {left:,.0f}s left", **r)
         self.t_log, self.seqs_log, self.losses = now, self.seqs, []
 
     def validate(self, what="", **record):

@@ -10,8 +10,407 @@ import cram
 import glue
 import prepare
 from cram import Crammed, ModelConfig
-from conftest import *  # noqa  (TEMPORARY split)
-from conftest import Handler, make_docs, prep, write_jsonl, HERE  # noqa
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORDS = ("the a cat dog sat on mat ran far away over hill under tree king queen said that it was "
+         "very good bad day night old new house river stone green red blue small large").split()
+
+
+def make_docs(n, seed=0):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 120))) + "." for _ in range(n)]
+
+
+def write_jsonl(path, docs):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    return str(path)
+
+
+def prep(tmp, docs=None, *extra, name="data"):
+    src = write_jsonl(os.path.join(tmp, f"{name}.jsonl"), docs or make_docs(200))
+    out = os.path.join(tmp, name)
+    return prepare.main(["--input", src, "--out", out, "--vocab-size", "350", "--seq-len", "32", "--trash", "1", *extra]), out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prep(str(tmp_path_factory.mktemp("data")))[1]
+
+
+# ----------------------------------------------------------------------------- a loopback server
+class Handler(http.server.BaseHTTPRequestHandler):
+    """Serves FILES; honours Range; paths in BROKEN send half the body and hang up."""
+    FILES, BROKEN, hits = {}, set(), []
+
+    def do_GET(self):
+        self.hits.append((self.path, self.headers.get("Range")))
+        body = self.FILES.get(self.path)
+        if not isinstance(body, bytes):
+            self.send_error(body or 404)
+            return
+        start = int(self.headers["Range"][6:].split("-")[0]) if self.headers.get("Range") else 0
+        self.send_response(206 if start else 200)
+        self.send_header("Content-Length", str(len(body) - start))
+        self.end_headers()
+        if self.path in self.BROKEN:
+            self.wfile.write(body[start: start + (len(body) - start) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(body[start:])
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def http_server(monkeypatch):
+    monkeypatch.setattr(prepare, "BACKOFF", 0.01)
+    Handler.FILES.clear(), Handler.BROKEN.clear(), Handler.hits.clear()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", Handler
+    server.shutdown()
+
+
+
+@pytest.fixture
+def one_thread():  # tiny models on a shared CPU: a second thread only adds contention
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------------------------- prepare.py
+def test_tokenizer_round_trip_and_specials(tmp_path):
+    docs = make_docs(100) + ["Café NAÏVE  façade\n\twith [MASK] and [SEP] and [CLS] inside, ünïcödé 123_456 ²½ ok"]
+    meta, out = prep(str(tmp_path), docs)
+    enc = prepare.load_tokenizer(prepare.read_prepared(out)[1])
+    assert meta["vocab_size"] == enc.n_vocab == 350
+    assert meta["special_tokens"] == {"[PAD]": 346, "[CLS]": 347, "[SEP]": 348, "[MASK]": 349}
+    for d in docs:
+        n = prepare.normalize(d)
+        assert enc.decode(enc.encode_ordinary(n)) == n
+    assert prepare.normalize(docs[-1]).startswith("cafe naive facade with [mask] and [sep]")
+    ids = enc.encode_ordinary("[MASK] [SEP] [CLS] [PAD] [mask]")
+    assert max(ids) < 346  # raw text never turns into a special id
+    assert len(enc.encode_ordinary(docs[0])) < len(docs[0]) / 4  # merges were learned
+
+
+def test_bpe_merges_most_frequent_pair_first():
+    ranks = prepare.train_bpe({"ab": 10, "abc": 5, "xy": 3}, 259)
+    assert [b for b, r in sorted(ranks.items(), key=lambda x: x[1])][256:] == [b"ab", b"abc", b"xy"]
+    assert len(prepare.train_bpe({"ab": 1}, 300)) == 256  # nothing repeats: no merge
+
+
+def test_deterministic_and_meta(tmp_path):
+    docs = make_docs(200) + make_docs(5)  # five exact duplicates
+    m1, o1 = prep(str(tmp_path / "a"), docs)
+    m2, o2 = prep(str(tmp_path / "b"), docs)
+    for f in ("train.bin", "val.bin", "tokenizer.tiktoken"):
+        assert open(os.path.join(o1, f), "rb").read() == open(os.path.join(o2, f), "rb").read()
+    meta = json.load(open(os.path.join(o1, "meta.json")))
+    assert meta["filters"]["duplicates_dropped"] == 5 and meta["filters"]["documents_read"] == 205
+    assert meta["documents"] == 200 and meta["seq_len"] == 32 and meta["dtype"] == "uint16"
+    for split in ("train", "val"):
+        b = open(os.path.join(o1, f"{split}.bin"), "rb").read()
+        assert meta[split]["bytes"] == len(b) == meta[split]["rows"] * 32 * 2
+        assert meta[split]["sha256"] == __import__("hashlib").sha256(b).hexdigest()
+    assert meta["format"] == "cram-data-1" and meta["sources"][0].endswith("data.jsonl")
+    assert meta["chars_per_token"] > 3
+
+
+def test_packing_layout(tmp_path):
+    docs = make_docs(300, seed=3)
+    meta, out = prep(str(tmp_path), docs)
+    enc = prepare.load_tokenizer(prepare.read_prepared(out)[1])
+    sep = meta["special_tokens"]["[SEP]"]
+    train = np.fromfile(os.path.join(out, "train.bin"), np.uint16)
+    val = np.fromfile(os.path.join(out, "val.bin"), np.uint16)
+    # documents in order, each followed by [SEP]; whole rows only, the remainder dropped
+    stream = [enc.encode_ordinary(prepare.normalize(d)) + [sep] for d in docs]
+    val_docs = [i for i in range(len(docs)) if i == 0 or i % prepare.VAL_EVERY == 0]
+    flat = lambda ids: np.array([t for i in ids for t in stream[i]], np.uint16)
+    want_val, want_train = flat(val_docs), flat(i for i in range(len(docs)) if i not in val_docs)
+    assert len(train) == len(want_train) // 32 * 32 and (train == want_train[: len(train)]).all()
+    assert len(val) == len(want_val) // 32 * 32 and (val == want_val[: len(val)]).all()
+    assert meta["tokens"] == sum(map(len, stream)) - len(docs)
+
+
+def test_every_input_format(tmp_path):
+    docs = make_docs(60, seed=5)
+    write_jsonl(str(tmp_path / "a.jsonl"), docs[:20])
+    write_jsonl(str(tmp_path / "b.jsonl.gz"), docs[20:30])
+    write_jsonl(str(tmp_path / "c.json.gz"), docs[30:40])
+    (tmp_path / "d.txt").write_text("\n\n".join(d[:50] + "\n" + d[50:] for d in docs[40:50]) + "\n")
+    with gzip.open(tmp_path / "e.txt.gz", "wt") as f:
+        f.write("\n\n\n".join(docs[50:]))
+    (tmp_path / "ignored.csv").write_text("x")
+    meta = prepare.main(["--input", str(tmp_path), "--out", str(tmp_path / "out"), "--vocab-size", "280", "--seq-len", "16", "--trash", "1"])
+    assert meta["documents"] == 60 and meta["filters"]["bad_lines"] == 0
+    assert [os.path.basename(s) for s in meta["sources"]] == ["a.jsonl", "b.jsonl.gz", "c.json.gz", "d.txt", "e.txt.gz"]
+
+
+def test_reuse_tokenizer(tmp_path, data):
+    meta, out = prep(str(tmp_path), make_docs(50, seed=9), "--tokenizer", data, name="held")
+    assert open(os.path.join(out, "tokenizer.tiktoken")).read() == open(os.path.join(data, "tokenizer.tiktoken")).read()
+    assert meta["vocab_size"] == 350
+    again = prepare.main(["--input", os.path.join(str(tmp_path), "held.jsonl"), "--out", out, "--tokenizer", out,
+                          "--vocab-size", "350", "--seq-len", "32", "--trash", "1"])  # into its own folder
+    assert again == meta
+
+
+def test_bad_inputs(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    run = lambda *inp: prepare.main(["--input", *inp, "--out", out, "--vocab-size", "300", "--seq-len", "32", "--trash", "1"])
+    with pytest.raises(SystemExit, match="input not found: .*nope"):
+        run(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="no text"):
+        run(str(tmp_path / "empty.jsonl"))
+    good = gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in make_docs(200)).encode())
+    (tmp_path / "trunc.jsonl.gz").write_bytes(good[: len(good) // 2])
+    with pytest.raises(SystemExit, match="trunc.jsonl.gz: corrupt or truncated"):
+        run(str(tmp_path / "trunc.jsonl.gz"))
+    (tmp_path / "notgz.jsonl.gz").write_bytes(b"this is not gzip at all\n" * 10)
+    with pytest.raises(SystemExit, match="notgz.jsonl.gz: corrupt or truncated"):
+        run(str(tmp_path / "notgz.jsonl.gz"))
+    (tmp_path / "short.jsonl").write_text(json.dumps({"text": "just a few words"}) + "\n")
+    with pytest.raises(SystemExit, match="too little data"):
+        run(str(tmp_path / "short.jsonl"))
+    assert not any(f.endswith((".bin", ".json", ".tmp")) for f in os.listdir(out))  # nothing that looks complete
+    # single bad lines are skipped and counted
+    lines = [json.dumps({"text": d}).encode() for d in make_docs(200)]
+    lines[3], lines[7], lines[9] = b'{"title": "no text field"}', b'{"text": "bad \xff\xfe utf8"}', b"{broken json"
+    (tmp_path / "mixed.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    meta = run(str(tmp_path / "mixed.jsonl"))
+    assert meta["filters"]["bad_lines"] == 3 and meta["documents"] == 197
+    assert "mixed.jsonl:4: skipped" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--vocab-size 70000"):
+        prepare.main(["--input", str(tmp_path / "mixed.jsonl"), "--vocab-size", "70000"])
+
+
+def test_trash_filter(tmp_path):
+    docs = make_docs(100) + ["".join(map(chr, np.random.default_rng(1).integers(0x4e00, 0x9fff, 3000)))]
+    meta, _ = prep(str(tmp_path), docs, "--trash", "0.8")
+    assert meta["filters"]["trash_dropped"] == 1 and meta["filters"]["trash_chars_dropped"] == 3000
+
+
+def test_download(tmp_path, http_server):
+    url, h = http_server
+    body = os.urandom(3_000_000)
+    h.FILES["/f.bin"] = body
+    path = str(tmp_path / "f.bin")
+    assert prepare.download(url + "/f.bin", path) == path and open(path, "rb").read() == body
+    n = len(h.hits)
+    prepare.download(url + "/f.bin", path)  # complete: not fetched again
+    assert len(h.hits) == n
+    # resume a partial .part with a Range request
+    path2 = str(tmp_path / "g.bin")
+    open(path2 + ".part", "wb").write(body[:1_000_000])
+    prepare.download(url + "/f.bin", path2)
+    assert open(path2, "rb").read() == body and h.hits[-1][1] == "bytes=1000000-"
+    # a transfer cut short is resumed on the next attempt
+    h.FILES["/cut.bin"], h.BROKEN = body, {"/cut.bin"}
+    with pytest.raises(SystemExit, match=r"download failed: .*/cut.bin"):
+        prepare.download(url + "/cut.bin", str(tmp_path / "cut.bin"))
+    assert not os.path.exists(tmp_path / "cut.bin")  # only the .part, never a complete-looking file
+    assert [r for p, r in h.hits if p == "/cut.bin"][1] is not None  # retries resumed
+    h.BROKEN.clear()
+    prepare.download(url + "/cut.bin", str(tmp_path / "cut.bin"))
+    assert open(tmp_path / "cut.bin", "rb").read() == body
+    with pytest.raises(SystemExit, match=r"download failed: .*/missing.*HTTP 404"):
+        prepare.download(url + "/missing", str(tmp_path / "m"))
+    assert not os.path.exists(tmp_path / "m") and len([p for p, _ in h.hits if p == "/missing"]) == 1  # no retry
+    h.FILES["/busy"] = 500
+    with pytest.raises(SystemExit, match=r"download failed: .*/busy.*HTTP 500"):
+        prepare.download(url + "/busy", str(tmp_path / "b"))
+    assert len([p for p, _ in h.hits if p == "/busy"]) == prepare.RETRIES  # server errors are retried
+
+
+def test_c4_download_path(tmp_path, http_server, monkeypatch):
+    url, h = http_server
+    for i in range(2):
+        h.FILES[f"/c4-{i}.json.gz"] = gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in make_docs(100, i)).encode())
+    monkeypatch.setattr(prepare, "C4_URL", url + "/c4-{i}.json.gz")
+    meta = prepare.main(["--shards", "2", "--out", str(tmp_path), "--vocab-size", "300", "--seq-len", "32", "--trash", "1"])
+    assert meta["documents"] == 200 and len(meta["sources"]) == 2
+    with pytest.raises(SystemExit, match="c4-2.json.gz: HTTP 404"):
+        prepare.main(["--shards", "3", "--out", str(tmp_path), "--vocab-size", "300"])
+
+
+def naive_bpe(counts, n_vocab):
+    """The textbook algorithm, for comparison: count all pairs, merge the best, repeat."""
+    words, vocab = {tuple(w.encode()): c for w, c in counts.items()}, [bytes([b]) for b in range(256)]
+    while len(vocab) < n_vocab:
+        pairs = {}
+        for w, c in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] = pairs.get(p, 0) + c
+        if not pairs or max(pairs.values()) < 2:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        vocab.append(vocab[best[0]] + vocab[best[1]])
+        merged = {}
+        for w, c in words.items():
+            out, j = [], 0
+            while j < len(w):
+                if w[j:j + 2] == best:
+                    out.append(len(vocab) - 1)
+                    j += 2
+                else:
+                    out.append(w[j])
+                    j += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + c
+        words = merged
+    return {b: i for i, b in enumerate(vocab)}
+
+
+def test_bpe_matches_the_textbook_algorithm():
+    rng = random.Random(4)
+    counts = {"".join(rng.choice("aab c") for _ in range(rng.randint(1, 9))): rng.randint(1, 30) for _ in range(300)}
+    counts["aaaaaaa"] = 50  # overlapping pairs
+    assert list(prepare.train_bpe(counts, 330).items()) == list(naive_bpe(counts, 330).items())
+
+
+def test_workers_give_identical_output(tmp_path, monkeypatch):
+    docs = make_docs(300, seed=7) + make_docs(20, seed=7)  # 20 duplicates
+    lines = [json.dumps({"text": d}) for d in docs]
+    lines[5], lines[50] = '{"text": null}', "{broken"
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    metas = []
+    for workers, task_bytes in (("1", 3000), ("3", 3000), ("2", 1 << 20)):  # many tasks, or one
+        monkeypatch.setattr(prepare, "TASK_BYTES", task_bytes)
+        metas.append(prepare.main(["--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / workers),
+                                   "--vocab-size", "300", "--seq-len", "16", "--workers", workers, "--sample-mb", "0.02"]))
+        assert metas[-1]["filters"]["bad_lines"] == 2 and metas[-1]["filters"]["duplicates_dropped"] == 19  # doc 5 was replaced
+    assert metas[0] == metas[1] == metas[2]
+    for f in ("train.bin", "val.bin", "tokenizer.tiktoken", "meta.json"):
+        assert (tmp_path / "1" / f).read_bytes() == (tmp_path / "3" / f).read_bytes() == (tmp_path / "2" / f).read_bytes()
+
+
+def test_failed_rerun_keeps_the_old_folder(tmp_path):
+    meta, out = prep(str(tmp_path), make_docs(200))
+    before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
+    (tmp_path / "short.jsonl").write_text(json.dumps({"text": "a few words"}) + "\n")
+    args = ["--out", out, "--vocab-size", "300", "--seq-len", "32"]
+    with pytest.raises(SystemExit, match="too little data"):
+        prepare.main(["--input", str(tmp_path / "short.jsonl"), *args])
+    with pytest.raises(SystemExit, match="input not found"):
+        prepare.main(["--input", str(tmp_path / "nope.jsonl"), *args])
+    bad_tok = str(tmp_path / "badtok")
+    os.makedirs(bad_tok)
+    for f in ("meta.json", "train.bin", "val.bin"):
+        open(os.path.join(bad_tok, f), "wb").write(before[f])
+    open(os.path.join(bad_tok, "tokenizer.tiktoken"), "w").write("not base64 at all\n!!\n")
+    with pytest.raises(SystemExit, match="badtok/tokenizer.tiktoken: .*unreadable"):
+        prepare.main(["--input", str(tmp_path / "data.jsonl"), "--tokenizer", bad_tok, *args])
+    short = "".join(before["tokenizer.tiktoken"].decode().splitlines(keepends=True)[:300])  # readable, too few
+    open(os.path.join(bad_tok, "tokenizer.tiktoken"), "w").write(short)
+    with pytest.raises(SystemExit, match="badtok/tokenizer.tiktoken: 304 tokens, but meta.json says 350"):
+        prepare.main(["--input", str(tmp_path / "data.jsonl"), "--tokenizer", bad_tok, *args])
+    assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before  # nothing lost, no .tmp
+    assert prepare.read_prepared(out)[0] == meta
+
+
+def test_trash_filter_scales_with_the_vocabulary(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    cjk = ["".join(map(chr, rng.integers(0x4e00, 0x9fff, 300))) for _ in range(20)]
+    write_jsonl(str(tmp_path / "en.jsonl"), make_docs(300))
+    for vocab in ("261", "2048"):  # at 261 English has ~0.8 tokens/char: a fixed 0.3 would drop it all
+        meta = prepare.main(["--input", str(tmp_path / "en.jsonl"), "--out", str(tmp_path / vocab),
+                             "--vocab-size", vocab, "--seq-len", "16"])
+        assert meta["documents"] == 300 and meta["filters"]["trash_dropped"] == 0
+    assert meta["sample_tokens_per_char"] < 0.3 < prepare.read_prepared(str(tmp_path / "261"))[0]["sample_tokens_per_char"]
+    assert "--trash" not in capsys.readouterr().err
+    write_jsonl(str(tmp_path / "mixed.jsonl"), make_docs(80) + cjk)
+    meta = prepare.main(["--input", str(tmp_path / "mixed.jsonl"), "--out", str(tmp_path / "m"),
+                         "--vocab-size", "261", "--seq-len", "16"])
+    assert meta["documents"] == 80 and meta["filters"]["trash_dropped"] == 20
+    err = capsys.readouterr().err
+    assert "WARNING: the trash filter dropped" in err and "raise --trash" in err
+
+
+def test_text_that_is_not_a_string_is_a_bad_line(tmp_path, capsys):
+    lines = [json.dumps({"text": d}) for d in make_docs(100)]
+    lines[1:1] = ['{"text": null}', '{"text": 12}', '{"text": ["a", "b"]}', '{"title": "x"}', "[1, 2]", '"just a string"']
+    (tmp_path / "odd.jsonl").write_text("\n".join(lines) + "\n")
+    meta = prepare.main(["--input", str(tmp_path / "odd.jsonl"), "--out", str(tmp_path / "o"), "--vocab-size", "300",
+                         "--seq-len", "16", "--workers", "2"])
+    assert meta["filters"]["bad_lines"] == 6 and meta["documents"] == 100
+    err = capsys.readouterr().err
+    assert "odd.jsonl:2: skipped" in err and "odd.jsonl:3: skipped" in err and "Traceback" not in err
+
+
+def test_download_retries_are_said(tmp_path, http_server, capsys):
+    url, h = http_server
+    h.FILES["/busy"] = 503
+    with pytest.raises(SystemExit, match=r"download failed: .*/busy: HTTP 503"):
+        prepare.download(url + "/busy", str(tmp_path / "b"))
+    retries = [l for l in capsys.readouterr().err.splitlines() if "/busy" in l]
+    assert len(retries) == prepare.RETRIES - 1
+    assert "HTTP 503 (attempt 1 of 5); waiting 0.01s" in retries[0] and "attempt 4 of 5" in retries[-1]
+
+
+@pytest.mark.parametrize("flag,value", [("--vocab-size", "260"), ("--vocab-size", "70000"), ("--seq-len", "1"),
+                                        ("--trash", "0"), ("--sample-mb", "-1"), ("--shards", "0"),
+                                        ("--shards", "1025"), ("--tokens", "0"), ("--workers", "0")])
+def test_prepare_out_of_range_flags(tmp_path, flag, value):
+    with pytest.raises(SystemExit, match=f"error: {flag} {value}: must be in .*\\.\\."):
+        prepare.main([flag, value, "--out", str(tmp_path / "o")])
+    assert not os.path.exists(tmp_path / "o")  # checked before any work
+
+
+def test_flags_that_do_not_go_together(tmp_path):
+    with pytest.raises(SystemExit, match="not with --input"):
+        prepare.main(["--input", "x.jsonl", "--tokens", "1e9", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="not both"):
+        prepare.main(["--shards", "3", "--tokens", "1e9", "--out", str(tmp_path)])
+
+
+def c4_shards(h, n):
+    for i in range(n):
+        h.FILES[f"/c4-{i}.json.gz"] = gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in make_docs(100, i)).encode())
+
+
+def test_tokens_picks_the_number_of_shards(tmp_path, http_server, monkeypatch, capsys):
+    url, h = http_server
+    c4_shards(h, 5)
+    monkeypatch.setattr(prepare, "C4_URL", url + "/c4-{i}.json.gz")
+    args = ["--vocab-size", "300", "--seq-len", "32", "--sample-mb", "0.01", "--workers", "1"]  # reads at most one task ahead
+    one = prepare.main(["--shards", "1", "--out", str(tmp_path / "a"), *args])
+    h.hits.clear()
+    meta = prepare.main(["--tokens", str(2.5 * one["tokens"]), "--out", str(tmp_path / "b"), *args])
+    assert [os.path.basename(s) for s in meta["sources"]] == [f"c4-train.0000{i}.json.gz" for i in range(3)]
+    assert meta["documents"] == 300 and meta["tokens"] > 2.5 * one["tokens"] * 0.9
+    assert sorted(p for p, _ in h.hits) == [f"/c4-{i}.json.gz" for i in range(3)]  # never more than needed
+    assert "so 3 shards" in capsys.readouterr().err
+
+
+def test_c4_shards_stream_and_a_restart_resumes(tmp_path, http_server, monkeypatch):
+    url, h = http_server
+    c4_shards(h, 3)
+    noise = os.urandom(200_000).hex()  # large enough that a cut transfer leaves part of it behind
+    h.FILES["/c4-2.json.gz"] = gzip.compress((json.dumps({"text": noise}) + "\n").encode()) + h.FILES["/c4-2.json.gz"]
+    monkeypatch.setattr(prepare, "C4_URL", url + "/c4-{i}.json.gz")
+    h.BROKEN = {"/c4-2.json.gz"}  # a connection that keeps breaking: the run stops
+    args = ["--shards", "3", "--out", str(tmp_path), "--vocab-size", "300", "--seq-len", "32", "--workers", "2"]
+    with pytest.raises(SystemExit, match="c4-train.00002.json.gz: download failed: .*c4-2.json.gz"):
+        prepare.main(args)
+    raw = sorted(os.listdir(tmp_path / "raw"))
+    assert raw == ["c4-train.00000.json.gz", "c4-train.00001.json.gz", "c4-train.00002.json.gz.part"]
+    assert not os.path.exists(tmp_path / "meta.json")
+    have = os.path.getsize(tmp_path / "raw/c4-train.00002.json.gz.part")
+    h.BROKEN, h.hits[:] = set(), []
+    meta = prepare.main(args)  # started again: shards 0 and 1 are not fetched again, 2 resumes
+    assert have > 0 and h.hits == [("/c4-2.json.gz", f"bytes={have}-")]
+    assert meta["documents"] == 301 and len(meta["sources"]) == 3
+
 
 # ----------------------------------------------------------------------------- cram.py
 TINY = ["--layers", "2", "--width", "64", "--heads", "2", "--ffn", "128", "--micro-batch", "8", "--batch-size", "16",
@@ -253,7 +652,7 @@ def test_out_folder_holds_a_run(tmp_path, data):
                                         ("--steps", "0"), ("--micro-batch", "0"), ("--lr", "nan"),
                                         ("--layers", "-1"), ("--log-every", "-1"),
                                         ("--eval-rows", "0"), ("--batch-size", "4")])
-def test_out_of_range_flags(flag, value, data, tmp_path):
+def test_cram_out_of_range_flags(flag, value, data, tmp_path):
     with pytest.raises(SystemExit, match=f"error: {flag} {value}"):
         cram.main(["--data", data, "--out", str(tmp_path), *TINY, flag, value])
     assert not os.path.exists(tmp_path / "log.jsonl")
@@ -301,3 +700,307 @@ def test_alibi_penalises_distance_and_respects_padding():
     padded, alone = model(x, mask), model(x[:1, :10])
     assert torch.allclose(padded[0, :10], alone[0], atol=1e-5)
     assert cram.get_args(["--preset", "tiny"]).alibi == 1 and cram.get_args([]).alibi == 0
+
+
+# ----------------------------------------------------------------------------- glue.py
+# A few rows of each task in the exact GLUE layout (tabs, headers, BOM, label spellings).
+MNLI_COLS = "index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1_parse\tsentence2_parse\tsentence1\tsentence2"
+FIXTURES = {
+    "CoLA": {"train.tsv": "gj04\t1\t\tOur friends won't buy this analysis.\ngj04\t0\t*\tThey drank the pub.\n",
+             "dev.tsv": "gj04\t1\t\tThe sailors rode the breeze clear of the rocks."},  # the real dev.tsv has no final newline
+    "SST-2": {"train.tsv": "sentence\tlabel\nhide new secretions from the parental units \t0\nit 's a charming journey . \t1\n",
+              "dev.tsv": "sentence\tlabel\nunflinchingly bleak and desperate \t0\n"},
+    "MRPC": {"train.tsv": "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t702876\t702977\tAmrozi accused his brother .\t"
+                          "Referring to him as \" the witness \" .\n0\t2108705\t2108831\tYucaipa owned Dominick 's .\tYucaipa bought Dominick 's .\n",
+             "dev.tsv": "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1355540\t1355592\tHe said so .\t\" He said so .\n"},
+    "STS-B": {"train.tsv": "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+                           "0\tmain-captions\tMSRvid\t2012test\t0001\tnone\tnone\tA plane is taking off.\tAn air plane is taking off.\t5.000\n"
+                           "1\tmain-captions\tMSRvid\t2012test\t0004\tnone\tnone\tA man is playing a large flute.\tA man is playing a flute.\t3.800\n",
+              "dev.tsv": "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+                         "0\tmain-captions\tMSRvid\t2012test\t0000\tnone\tnone\tA man is dancing.\tA man wearing a hat is dancing.\t0.250\n"},
+    "QQP": {"train.tsv": "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n133273\t213221\t213222\tHow is the life of a math student?\t"
+                         "Which level of prepration is enough?\t0\n402555\t536040\t536041\tHow do I control my horny emotions?\tHow do you control your horniness?\t1\n",
+            "dev.tsv": "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n1\t2\t3\tWhy \"this\"?\tWhy that?\t0\n"},
+    "MNLI": {"train.tsv": f"{MNLI_COLS}\tlabel1\tgold_label\n0\t31193\t31193n\tgovernment\t( ( a ) b )\t( c )\t(ROOT (S a))\t(ROOT (S c))\t"
+                          "Conceptually cream skimming has two basic dimensions.\tProduct and geography are what make cream skimming work. \tneutral\tneutral\n",
+             "dev_matched.tsv": f"{MNLI_COLS}\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label\n0\t63735\t63735n\tslate\t( a )\t( b )\t(ROOT a)\t(ROOT b)\t"
+                                "The new rights are nice enough\tEveryone really likes the newest benefits \tneutral\tentailment\tneutral\tneutral\tneutral\tneutral\n",
+             "dev_mismatched.tsv": f"{MNLI_COLS}\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label\n0\t75290\t75290c\tletters\t( a )\t( b )\t(ROOT a)\t(ROOT b)\t"
+                                   "Your contribution helped.\tYour contributions were of no help.\tcontradiction\tcontradiction\tcontradiction\tcontradiction\tcontradiction\tcontradiction\n"},
+    "QNLI": {"train.tsv": "index\tquestion\tsentence\tlabel\n0\tWhen did the third Digimon series begin?\tUnlike the two seasons before it.\tnot_entailment\n",
+             "dev.tsv": "index\tquestion\tsentence\tlabel\n0\tWhat came into force?\tThe new constitution came into force.\tentailment\n"},
+    "RTE": {"train.tsv": "index\tsentence1\tsentence2\tlabel\n0\tNo Weapons of Mass Destruction Found in Iraq Yet.\tWeapons of Mass Destruction Found in Iraq.\tnot_entailment\n",
+            "dev.tsv": "index\tsentence1\tsentence2\tlabel\n0\tDana Reeve has died.\tDana Reeve is dead.\tentailment\n"},
+    "WNLI": {"train.tsv": "index\tsentence1\tsentence2\tlabel\n0\tI stuck a pin through a carrot.\tThe carrot had a hole.\t1\n",
+             "dev.tsv": "index\tsentence1\tsentence2\tlabel\n0\tThe drain is clogged with hair.\tThe hair has to be cleaned.\t0\n"},
+}
+
+
+def write_files(folder, files):
+    os.makedirs(folder, exist_ok=True)
+    for name, text in files.items():
+        with open(os.path.join(folder, name), "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+
+
+def test_glue_parsers_read_every_task_format(tmp_path):
+    for task, files in FIXTURES.items():
+        write_files(tmp_path / task, files)
+    rd = lambda task, f="train.tsv": glue.read_tsv(str(tmp_path / task / f), task)
+    assert rd("CoLA") == [("Our friends won't buy this analysis.", None, 1), ("They drank the pub.", None, 0)]
+    assert rd("CoLA", "dev.tsv") == [("The sailors rode the breeze clear of the rocks.", None, 1)]
+    assert rd("SST-2")[1] == ("it 's a charming journey . ", None, 1)
+    assert rd("MRPC") == [("Amrozi accused his brother .", "Referring to him as \" the witness \" .", 1),
+                          ("Yucaipa owned Dominick 's .", "Yucaipa bought Dominick 's .", 0)]
+    assert rd("STS-B") == [("A plane is taking off.", "An air plane is taking off.", 5.0),
+                           ("A man is playing a large flute.", "A man is playing a flute.", 3.8)]
+    assert rd("QQP")[1] == ("How do I control my horny emotions?", "How do you control your horniness?", 1)
+    assert rd("QQP", "dev.tsv") == [("Why \"this\"?", "Why that?", 0)]
+    assert rd("MNLI") == [("Conceptually cream skimming has two basic dimensions.",
+                           "Product and geography are what make cream skimming work. ", 1)]
+    assert rd("MNLI", "dev_matched.tsv")[0][2] == 1 and rd("MNLI", "dev_mismatched.tsv")[0][2] == 2
+    assert rd("QNLI") == [("When did the third Digimon series begin?", "Unlike the two seasons before it.", 1)]
+    assert rd("RTE", "dev.tsv") == [("Dana Reeve has died.", "Dana Reeve is dead.", 0)]
+    assert rd("WNLI") == [("I stuck a pin through a carrot.", "The carrot had a hole.", 1)]
+    assert [glue.task_name(t) for t in ["cola", "SST-2", "sst2", "Mrpc", "sts-b", "QQP", "mnli", "qnli", "RTE", "wnli"]] == \
+        ["CoLA", "SST-2", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE", "WNLI"]
+
+
+def test_glue_bad_input_names_file_and_line(tmp_path):
+    path = str(tmp_path / "train.tsv")
+    cases = [("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\ta\tb\n", ":3: expected 4 tab-separated columns, found 3"),
+             ("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tyes\n", ":2: unknown label 'yes'"),
+             ("STS-B", FIXTURES["STS-B"]["train.tsv"].replace("3.800", "high"), ":3: score 'high' is not a number"),
+             ("CoLA", "gj04\t1\t\tfine.\ngj04\t1\t\ttoo\tmany\n", ":2: expected 4"),
+             ("QNLI", "index\tsentence1\tsentence2\tlabel\n", ":1: no column 'question'")]
+    for task, text, msg in cases:
+        write_files(tmp_path, {"train.tsv": text})
+        with pytest.raises(SystemExit, match="error: " + path + msg):
+            glue.read_tsv(path, task)
+    with pytest.raises(SystemExit, match="missing GLUE file .*nope.tsv"):
+        glue.read_tsv(str(tmp_path / "nope.tsv"), "RTE")
+    with pytest.raises(SystemExit, match="unknown GLUE task 'mnli-m'"):
+        glue.task_name("mnli-m")
+
+
+def test_glue_metrics_against_hand_computed_values():
+    p, y = [1, 1, 0, 0, 1, 0], [1, 0, 0, 1, 1, 0]  # tp 2, tn 2, fp 1, fn 1
+    assert glue.accuracy(p, y) == pytest.approx(4 / 6)
+    assert glue.f1(p, y) == pytest.approx(2 / 3)  # precision 2/3, recall 2/3
+    assert glue.mcc(p, y) == pytest.approx((2 * 2 - 1 * 1) / 9)  # sqrt(3*3*3*3) = 9
+    assert glue.mcc(y, y) == pytest.approx(1.0) and glue.mcc([1 - v for v in y], y) == pytest.approx(-1.0)
+    assert glue.mcc([1] * 6, y) == 0.0 and glue.mcc([0] * 6, y) == 0.0  # a constant predictor: 0, not nan
+    assert glue.f1([0] * 6, y) == 0.0 and glue.f1([1] * 6, y) == pytest.approx(2 * 3 / (2 * 3 + 3))
+    big = np.array([1, 0] * 300_000)  # counts whose 4-fold product overflows int64
+    assert glue.mcc(big, big) == pytest.approx(1.0)
+    assert glue.pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert glue.pearson([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)  # sum of products 1 over sqrt(2 x 2)
+    assert glue.pearson([2, 2, 2], [1, 2, 3]) == 0.0
+    assert list(glue.ranks([10, 20, 20, 5])) == [2.0, 3.5, 3.5, 1.0]
+    assert glue.spearman([1, 2, 3, 4], [1, 4, 9, 16]) == pytest.approx(1.0)
+    assert glue.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(np.corrcoef([1, 2.5, 2.5, 4], [1, 2, 3, 4])[0, 1])
+    assert glue.score("MRPC", p, y) == {"f1": pytest.approx(200 / 3), "accuracy": pytest.approx(400 / 6)}
+    assert glue.glue_score({"RTE": {"accuracy": 60.0}, "CoLA": {"mcc": 40.0}, "WNLI": {"accuracy": 0.0}}) == (50.0, ["RTE", "CoLA"])
+
+
+def test_glue_encode_pairs_and_truncation():
+    specials = {"[PAD]": 256, "[CLS]": 257, "[SEP]": 258, "[MASK]": 259}
+    enc = glue.load_tokenizer(tokenizer())
+    ids, ys = glue.encode(enc, specials, [("Ab", "c", 1), ("x" * 20, "y" * 3, 0), ("q" * 9, None, 1)], max_len=10)
+    assert ids[0] == [257, ord("a"), ord("b"), 258, ord("c"), 258]  # normalised: lowercase
+    assert ids[1] == [257] + [ord("x")] * 4 + [258] + [ord("y")] * 3 + [258]  # the longer text is cut
+    assert ids[2] == [257] + [ord("q")] * 8 + [258] and ys.tolist() == [1, 0, 1]
+
+
+# ----------------------------------------------------------------------------- downloads
+def test_glue_download_unzips_and_builds_mrpc(tmp_path, http_server, monkeypatch):
+    url, h = http_server
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:  # laid out like GLUE's zips: a folder per task
+        for name, text in FIXTURES["RTE"].items():
+            z.writestr(f"RTE/{name}", text)
+        z.writestr("RTE/test.tsv", "index\tsentence1\tsentence2\n")
+        z.writestr("RTE/original/train.tsv", "not this one\n")
+    h.FILES["/RTE.zip"] = buf.getvalue()
+    lines = ["\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String", "1\t702876\t702977\tAmrozi accused .\tReferring to him .",
+             "0\t1355540\t1355592\tHe said .\tHe did .", "1\t2108705\t2108831\tYucaipa owned .\tYucaipa bought ."]
+    h.FILES["/msr_paraphrase_train.txt"] = "\r\n".join(lines).encode() + b"\r\n"  # CRLF, as SentEval ships it
+    h.FILES["/mrpc_dev_ids.tsv"] = b"1355540\t1355592\n"
+    monkeypatch.setattr(glue, "GLUE_URL", url + "/{}.zip")
+    monkeypatch.setattr(glue, "MRPC_URL", url + "/msr_paraphrase_train.txt")
+    monkeypatch.setattr(glue, "MRPC_DEV_IDS_URL", url + "/mrpc_dev_ids.tsv")
+    glue_dir = str(tmp_path / "glue")
+    folder = glue.ensure_task("RTE", glue_dir)
+    assert sorted(os.listdir(folder)) == ["dev.tsv", "train.tsv"] and not os.path.exists(os.path.join(glue_dir, "RTE.zip"))
+    assert open(os.path.join(folder, "train.tsv")).read() == FIXTURES["RTE"]["train.tsv"]
+    assert glue.read_tsv(os.path.join(folder, "dev.tsv"), "RTE") == [("Dana Reeve has died.", "Dana Reeve is dead.", 0)]
+    folder = glue.ensure_task("MRPC", glue_dir)
+    header = lines[0].encode() + b"\n"
+    assert open(os.path.join(folder, "dev.tsv"), "rb").read() == header + lines[2].encode() + b"\n"
+    assert open(os.path.join(folder, "train.tsv"), "rb").read() == header + (lines[1] + "\n" + lines[3] + "\n").encode()
+    assert [r[2] for r in glue.read_tsv(os.path.join(folder, "train.tsv"), "MRPC")] == [1, 1]
+    del h.FILES["/RTE.zip"]
+    assert glue.ensure_task("RTE", glue_dir) == folder.replace("MRPC", "RTE")  # present: no network needed
+    with pytest.raises(SystemExit, match=r"HTTP 404.*CoLA.zip.*train.tsv, dev.tsv in .*glue/CoLA"):
+        glue.ensure_task("CoLA", glue_dir)
+    h.FILES["/STS-B.zip"] = b"<html>not a zip</html>"
+    with pytest.raises(SystemExit, match=r"STS-B.zip is not a valid zip file"):
+        glue.ensure_task("STS-B", glue_dir)
+
+
+# ----------------------------------------------------------------------------- fine-tuning
+def tokenizer():
+    """Bytes only: enough for the model to read letters."""
+    return {"ranks": "".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)),
+            "pattern": r"\S+|\s+", "special_tokens": {"[PAD]": 256, "[CLS]": 257, "[SEP]": 258, "[MASK]": 259}}
+
+
+def make_ckpt(path):
+    cfg = ModelConfig(vocab_size=260, seq_len=64, layers=2, width=64, heads=2, ffn=128)
+    torch.manual_seed(0)
+    torch.save({"format": "cram-ckpt-1", "model_config": asdict(cfg), "model": Crammed(cfg).state_dict(),
+                "tokenizer": tokenizer()}, path)
+
+
+
+
+def test_glue_finetune_learns_a_synthetic_task(tmp_path, capsys, one_thread):
+    rng = random.Random(0)
+    words = ["the", "film", "was", "plot", "actor", "and", "a", "it", "long", "scene"]
+
+    def rows(n):  # sentiment decided by one word among filler
+        out = []
+        for _ in range(n):
+            y = rng.randint(0, 1)
+            w = [rng.choice(words) for _ in range(rng.randint(2, 6))]
+            w.insert(rng.randint(0, len(w)), "great" if y else "awful")
+            out.append(f"{' '.join(w)} \t{y}\n")
+        return "sentence\tlabel\n" + "".join(out)
+    write_files(tmp_path / "glue" / "SST-2", {"train.tsv": rows(640), "dev.tsv": rows(200)})
+    write_files(tmp_path / "glue" / "RTE", FIXTURES["RTE"])
+    ckpt = str(tmp_path / "ckpt.pt")
+    make_ckpt(ckpt)
+    common = ["--ckpt", ckpt, "--glue-dir", str(tmp_path / "glue"), "--device", "cpu", "--max-len", "64"]
+    res = glue.main(common + ["--tasks", "sst2", "--epochs", "5", "--lr", "1e-3"])
+    assert res["SST-2"]["accuracy"] > 90
+    saved = json.load(open(tmp_path / "glue.json"))
+    assert saved["SST-2"]["accuracy"] == res["SST-2"]["accuracy"] and saved["average_over"] == ["SST-2"]
+    cap = capsys.readouterr()  # progress lines go to stderr (prepare.Progress), the table to stdout
+    assert "SST-2 trial 1/1: " in cap.err and "epoch 5/5" in cap.err and "ex/s" in cap.err and "ETA" in cap.err
+    assert "crammed BERT v1" in cap.out
+    res = glue.main(common + ["--tasks", "rte", "--epochs", "1", "--trials", "2", "--random-init"])
+    assert set(json.load(open(tmp_path / "glue-random-init.json"))["trials"]["RTE"][1]) == {"accuracy"}
+    with pytest.raises(SystemExit, match="--max-len 65: must be from 4 to 64"):
+        glue.main(common[:-1] + ["65", "--tasks", "rte"])
+    with open(ckpt, "wb") as f:
+        f.write(b"not a checkpoint")
+    with pytest.raises(SystemExit, match=f"error: {ckpt}: corrupt"):
+        glue.main(common + ["--tasks", "rte"])
+
+
+
+# ----------------------------------------------------------------------------- nothing lost, no traceback
+def fake_finetune(calls):
+    """Stands in for fine-tuning: a score that says which call made it."""
+    def finetune(ckpt, task, train, devs, args, trial, device, pad):
+        calls.append(task)
+        return {split: {m: float(len(calls)) for m in glue.METRICS.get(task, ["accuracy"])} for split in devs}
+    return finetune
+
+
+@pytest.fixture
+def glue_run(tmp_path, monkeypatch):
+    """A checkpoint, RTE and WNLI files, and main() with fine-tuning replaced by fake_finetune."""
+    for task in ("RTE", "WNLI"):
+        write_files(tmp_path / "glue" / task, FIXTURES[task])
+    ckpt = str(tmp_path / "ckpt.pt")
+    make_ckpt(ckpt)
+    calls = []
+    monkeypatch.setattr(glue, "finetune", fake_finetune(calls))
+
+    def run(*flags):
+        return glue.main(["--ckpt", ckpt, "--glue-dir", str(tmp_path / "glue"), "--device", "cpu", "--max-len", "64", *flags])
+    return run, calls, tmp_path
+
+
+def test_glue_json_merges_runs(glue_run):
+    run, calls, tmp = glue_run
+    run("--tasks", "wnli")
+    run("--tasks", "rte", "--seed", "3")
+    saved = json.load(open(tmp / "glue.json"))
+    assert saved["WNLI"] == {"accuracy": 1.0} and saved["RTE"] == {"accuracy": 2.0}  # both kept
+    assert saved["average"] == 2.0 and saved["average_over"] == ["RTE"]  # WNLI is not in the score
+    assert saved["settings"]["WNLI"]["seed"] == 0 and saved["settings"]["RTE"]["seed"] == 3
+    run("--tasks", "rte", "--trials", "2")  # a rerun replaces RTE only
+    saved = json.load(open(tmp / "glue.json"))
+    assert saved["WNLI"] == {"accuracy": 1.0} and saved["RTE"] == {"accuracy": 3.5}  # median of 3, 4
+    assert saved["trials"]["RTE"] == [{"accuracy": 3.0}, {"accuracy": 4.0}] and saved["trials"]["WNLI"]
+    assert saved["average"] == 3.5 and calls == ["WNLI", "RTE", "RTE", "RTE"]
+    (tmp / "glue.json").write_text('{"RTE": {"accuracy": 5')  # corrupt: a clear error, the file untouched
+    with pytest.raises(SystemExit, match=r"^error: \S*glue.json: not a glue.py results file.*move it aside to start anew$"):
+        run("--tasks", "wnli")
+    assert (tmp / "glue.json").read_text() == '{"RTE": {"accuracy": 5' and len(calls) == 4
+
+
+def test_glue_checks_every_file_before_fine_tuning(glue_run, capsys):
+    run, calls, tmp = glue_run
+    write_files(tmp / "glue" / "WNLI", {"dev.tsv": "index\tsentence1\tsentence2\tlabel\n0\ta\tb\t7\n"})
+    with pytest.raises(SystemExit, match=r"WNLI/dev.tsv:2: unknown label '7'"):
+        run("--tasks", "rte,wnli")
+    assert calls == [] and not os.path.exists(tmp / "glue.json") and "trial" not in capsys.readouterr().err
+
+
+def test_glue_unwritable_output_fails_up_front(glue_run, tmp_path):
+    run, calls, tmp = glue_run
+    (tmp / "a-file").write_text("")  # a file where the output folder should be: fails even as root
+    with pytest.raises(SystemExit, match=r"^error: \S*a-file: cannot write the results there \(.*\)$"):
+        run("--tasks", "rte", "--out", str(tmp / "a-file" / "glue.json"))
+    ro = tmp / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if not os.access(ro, os.W_OK):  # root writes anyway: then the case above is the check
+            with pytest.raises(SystemExit, match=r"read-only/glue.json.probe.tmp: cannot write the results there"):
+                run("--tasks", "rte", "--out", str(ro / "glue.json"))
+    finally:
+        ro.chmod(0o755)
+    assert calls == []
+
+
+def test_glue_flags_out_of_range(glue_run):
+    run, calls, _ = glue_run
+    for flags, msg in [(["--epochs", "0"], "--epochs 0: must be at least 1"),
+                       (["--lr", "0"], "--lr 0.0: must be above 0 and at most 1"),
+                       (["--lr", "nan"], "--lr nan: must be above 0"), (["--lr", "2"], "--lr 2.0: must be"),
+                       (["--batch-size", "-1"], "--batch-size -1: must be at least 1"),
+                       (["--trials", "0"], "--trials 0: must be at least 1"),
+                       (["--seed", "-1"], r"--seed -1: must be from 0 to 2\*\*32 - 1"),
+                       (["--max-len", "3"], "--max-len 3: must be at least 4"),
+                       (["--max-len", "65"], "--max-len 65: must be from 4 to 64"),
+                       (["--tasks", ","], "--tasks: name at least one task"),
+                       (["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),
+                       (["--device", "nope"], "--device nope: .*device string: nope$")]:
+        with pytest.raises(SystemExit, match="^error: " + msg):
+            run("--tasks", "rte", *flags)
+    assert calls == []
+    r = subprocess.run([sys.executable, os.path.join(HERE, "glue.py"), "--ckpt", "x.pt", "--epochs", "0"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr == "error: --epochs 0: must be at least 1\n"  # one line, no traceback
+
+
+def test_glue_head_help_and_truncation_example(capsys):
+    cfg = ModelConfig(vocab_size=260, seq_len=64, layers=1, width=64, heads=2, ffn=128)
+    model = glue.Classifier(Crammed(cfg), 3)  # the encoder is built by the caller
+    assert glue.HEAD_DIM == 1024 and model.pooler[0].out_features == 1024 and model.head.in_features == 1024
+    assert model.pooler[2].p == glue.DROPOUT == 0.1
+    assert model(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.bool)).shape == (2, 3)
+    with pytest.raises(SystemExit):
+        glue.get_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag, name in [("lr", "LR"), ("epochs", "EPOCHS"), ("batch-size", "BATCH_SIZE"), ("max-len", "MAX_LEN")]:
+        assert f"--{flag} {flag.upper().replace('-', '_')} " in help_text
+        assert f"(default: {getattr(glue, name)})" in help_text
+
+    def cut(a, b, room):  # the worked example of truncate's docstring, in lengths
+        return tuple(map(len, glue.truncate(list(range(a)), list(range(b)), room)))
+    assert cut(100, 60, 125) == (65, 60) and cut(100, 90, 125) == (63, 62) and cut(200, 0, 126) == (126, 0)
