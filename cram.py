@@ -689,12 +689,14 @@ def fill(args, device):
         if len(ids) > model.config.seq_len:
             die(f"--fill {text!r}: {len(ids)} tokens, more than the model's {model.config.seq_len}")
         hidden = model(torch.tensor([ids], device=device))
-        probs = model.decode(hidden, torch.tensor([positions], device=device))[0].softmax(-1)
+        logits = model.decode(hidden, torch.tensor([positions], device=device))[0]
+        logits[:, min(ckpt["tokenizer"]["special_tokens"].values()):] = -float("inf")  # never labels
+        probs = logits.softmax(-1)  # (masks, vocab)
         print(text)
-        for k, p in enumerate(probs):  # (vocab,) for each [MASK]
+        for k, p in enumerate(probs):
             top = [(enc.decode([int(t)]).strip(), float(v)) for v, t in zip(*p.topk(5))]
             answers.append(top)
-            print(f"  [MASK] {k + 1}: " + ", ".join(f"{w!r} {v:.2f}" for w, v in top), flush=True)
+            print(f"  [MASK] {k + 1}: " + ", ".join(f"{w!r} {v:.3f}" for w, v in top), flush=True)
     return answers
 
 

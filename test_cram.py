@@ -679,6 +679,7 @@ def test_fill_masks_with_top_5(tmp_path, data, capsys):
     out = capsys.readouterr().out
     assert len(answers) == 3 and all(len(a) == 5 for a in answers) and "[MASK] 2:" in out
     assert all(1 >= a[0][1] >= a[4][1] > 0 for a in answers)
+    assert not any(w in prepare.SPECIALS for a in answers for w, _ in a)  # never a label
     enc = prepare.load_tokenizer(prepare.read_prepared(data)[1])
     ids = cram.encode_masked("The Cat [MASK] on it", enc, 999)
     assert ids == enc.encode_ordinary("the cat") + [999] + enc.encode_ordinary(" on it")
