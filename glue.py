@@ -242,11 +242,12 @@ def score(task, p, y):
 
 # ----------------------------------------------------------------------------- fine-tuning
 class Classifier(nn.Module):
-    """The crammed encoder, v2's pooler on the first token ([CLS], "zero_index"), a linear head."""
+    """The crammed encoder, v2's pooler on the first token ([CLS], "zero_index") or on the mean
+    of the real tokens ("avg", the v2 architecture's own default), and a linear head."""
 
-    def __init__(self, encoder, n_out):
+    def __init__(self, encoder, n_out, pool="first"):
         super().__init__()
-        self.encoder = encoder
+        self.encoder, self.pool = encoder, pool
         width = encoder.config.width
         self.pooler = nn.Sequential(nn.Linear(width, HEAD_DIM), nn.Tanh(), nn.Dropout(DROPOUT))
         self.head = nn.Linear(HEAD_DIM, n_out)
@@ -255,7 +256,11 @@ class Classifier(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx, mask):
-        return self.head(self.pooler(self.encoder(idx, mask)[:, 0])).float()
+        hidden = self.encoder(idx, mask)  # (B, T, width)
+        if self.pool == "first":
+            return self.head(self.pooler(hidden[:, 0])).float()
+        real = mask[..., None].to(hidden.dtype)  # (B, T, 1): padding does not count
+        return self.head(self.pooler((hidden * real).sum(1) / real.sum(1))).float()
 
 
 def learning_rate(step, total, peak):
@@ -274,7 +279,7 @@ def finetune(ckpt, task, train, devs, args, trial, device, pad):
         encoder = Crammed(ModelConfig(**{**ckpt["model_config"], "dropout": DROPOUT}))
     else:
         encoder = load_model(ckpt, args.ckpt, dropout=DROPOUT)
-    model = Classifier(encoder, 1 if labels is None else len(labels)).to(device)
+    model = Classifier(encoder, 1 if labels is None else len(labels), args.pool).to(device)
     # bf16 needs no loss scaling; on the CPU autocast is off and everything stays fp32
     amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS,
@@ -383,6 +388,8 @@ def get_args(argv):
     arg("--max-len", type=int, default=MAX_LEN, help="tokens per example (default: %(default)s)")
     arg("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
     arg("--random-init", action="store_true", help="no pretraining; into glue-random-init.json")
+    arg("--pool", choices=["first", "mean"], default="first", help="first token (the recipe) or "
+        "the mean (for the CPU demo's ALiBi model, whose first token sees only its neighbours)")
     args = ap.parse_args(argv)
     checks = [("epochs", args.epochs >= 1, "at least 1"),
               ("lr", 0 < args.lr <= 1, "above 0 and at most 1"),

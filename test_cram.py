@@ -1005,3 +1005,13 @@ def test_glue_head_help_and_truncation_example(capsys):
     def cut(a, b, room):  # the worked example of truncate's docstring, in lengths
         return tuple(map(len, glue.truncate(list(range(a)), list(range(b)), room)))
     assert cut(100, 60, 125) == (65, 60) and cut(100, 90, 125) == (63, 62) and cut(200, 0, 126) == (126, 0)
+
+
+def test_glue_mean_pooling_ignores_padding():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=260, seq_len=16, layers=1, width=32, heads=2, ffn=64)
+    model = glue.Classifier(Crammed(cfg), 2, pool="mean").eval()
+    x = torch.randint(0, 256, (1, 8))
+    padded = torch.cat([x, torch.full((1, 4), 256)], 1)
+    mask = torch.arange(12)[None] < 8
+    assert torch.allclose(model(padded, mask), model(x, torch.ones(1, 8, dtype=torch.bool)), atol=1e-5)
