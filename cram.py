@@ -204,7 +204,8 @@ def mask_rows(rows, special_ids, mask_id, n_ordinary, gen):
 
 
 def schedule(x, peak):
-    """budget-triangle2: 25% of the peak at the start, the peak at 75% of the budget, 0 at the end."""
+    """budget-triangle2: 25% of the peak at the start, the peak at 75% of the budget, 0 at the
+    end. x=0 -> 0.25 peak, x=0.5 -> 0.75 peak, x=0.75 -> peak, x=0.9 -> 0.4 peak."""
     return peak * min(LR_START + x, LR_FALL * (1 - x))
 
 
@@ -372,7 +373,9 @@ def setup(args):
 
 def autocast(device):
     """bf16 on the GPU: tensor-core speed, and unlike fp16 it needs no loss scaling."""
-    return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type == "cuda":
+        return torch.autocast("cuda", torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 class Masker:
@@ -610,7 +613,8 @@ class Trainer:
             every = [torch.zeros_like(sums) for _ in range(self.world)]
             dist.all_gather(every, sums)
             agree = all(torch.equal(every[0], s) for s in every)
-            self.log(f"replicas agree: {agree}", step=self.step, ranks_agree=agree, world=self.world)
+            self.log(f"replicas agree: {agree}", step=self.step, ranks_agree=agree,
+                     world=self.world)
             if not agree:
                 die("DDP replicas diverged")
             dist.destroy_process_group()
@@ -637,7 +641,8 @@ def bench(args, device):
         opt.zero_grad(set_to_none=True)
         loss.item()  # waits for the GPU
         times.append(time.time() - t0)
-        print(f"bench step {i}: {times[-1] * 1e3:.0f} ms{' (warm-up)' if i < 3 else ''}", flush=True)
+        warm = " (warm-up)" if i < 3 else ""
+        print(f"bench step {i}: {times[-1] * 1e3:.0f} ms{warm}", flush=True)
     tok_s = args.micro_batch * c.seq_len * args.bench_steps / sum(times[3:])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"bench: {name} micro-batch {args.micro_batch} compile={model is not raw} "
@@ -690,7 +695,8 @@ def fill(args, device):
             die(f"--fill {text!r}: {len(ids)} tokens, more than the model's {model.config.seq_len}")
         hidden = model(torch.tensor([ids], device=device))
         logits = model.decode(hidden, torch.tensor([positions], device=device))[0]
-        logits[:, min(ckpt["tokenizer"]["special_tokens"].values()):] = -float("inf")  # never labels
+        specials = min(ckpt["tokenizer"]["special_tokens"].values())  # they come last
+        logits[:, specials:] = -float("inf")  # never a label, so never a guess
         probs = logits.softmax(-1)  # (masks, vocab)
         print(text)
         for k, p in enumerate(probs):
