@@ -2,7 +2,7 @@
 cram.py: pretrain the paper's final "crammed BERT" on one GPU within a wall-clock budget.
 
     python cram.py --time 86400                  # the paper's day, on data/ from prepare.py
-    python cram.py --preset tiny --time 600      # a CPU demo that visibly learns
+    python cram.py --preset tiny --time 600      # the CPU demo: prepare.py --vocab-size 2048
     python cram.py --fill "the capital of france is [MASK]."    # ask the trained model
     python cram.py --bench                       # throughput (tokens/s, MFU) on random tokens
     torchrun --nproc_per_node 8 cram.py ...      # several GPUs (DDP)
