@@ -1015,3 +1015,11 @@ def test_glue_mean_pooling_ignores_padding():
     padded = torch.cat([x, torch.full((1, 4), 256)], 1)
     mask = torch.arange(12)[None] < 8
     assert torch.allclose(model(padded, mask), model(x, torch.ones(1, 8, dtype=torch.bool)), atol=1e-5)
+
+
+def test_a_gpu_the_machine_lacks_is_one_line():
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU, on any machine
+    with pytest.raises(SystemExit, match=f"--device {missing}: this machine has"):
+        cram.main(["--device", missing, "--fill", "a [MASK]"])
+    with pytest.raises(SystemExit, match="--device nonsense: "):
+        cram.pick_device("nonsense")
