@@ -559,13 +559,18 @@ def main(argv=None):
     args = parse_args(argv)
     t_start, times = time.time(), {}
     files = input_files(args.input) if args.input else None
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        die(f"--out {args.out}: cannot write there ({e.strerror})")
     # One pool for the whole run, started before any download thread (forking is then safe).
     # Workers ignore Ctrl-C: the main process stops them, without a traceback from each.
     pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
     try:
         meta = build(args, pool, files, times)
         publish(args.out, meta)
+    except OSError as e:  # a full disk, say: one line, and the earlier folder is left as it was
+        die(f"{e.filename or args.out}: cannot write ({e.strerror})")
     finally:
         pool.terminate()
         for name in OUTPUTS:  # what a failed run left behind

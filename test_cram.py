@@ -1023,3 +1023,10 @@ def test_a_gpu_the_machine_lacks_is_one_line():
         cram.main(["--device", missing, "--fill", "a [MASK]"])
     with pytest.raises(SystemExit, match="--device nonsense: "):
         cram.pick_device("nonsense")
+
+
+def test_prepare_unwritable_out_is_one_line(tmp_path):
+    src = write_jsonl(str(tmp_path / "a.jsonl"), make_docs(20))
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit, match="--out .*afile: cannot write there"):
+        prepare.main(["--input", src, "--out", str(tmp_path / "afile")])
