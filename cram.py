@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import SPECIALS, Progress, die, load_tokenizer, normalize, read_prepared
+from prepare import SPECIALS, Parser, Progress, die, load_tokenizer, normalize, read_prepared
 
 # ----------------------------------------------------------------------------- the recipe
 BUDGET = 86400          # seconds: one day on one GPU, compilation included
@@ -306,8 +306,7 @@ POSITIVE = ["time", "steps", "layers", "width", "heads", "ffn", "micro_batch", "
 
 
 def get_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
     arg("--data", default="data", help="folder written by prepare.py")
     arg("--out", default="out", help="folder for ckpt.pt and log.jsonl")

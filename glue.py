@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import Progress, die, download, load_tokenizer, normalize
+from prepare import Parser, Progress, die, download, load_tokenizer, normalize
 from cram import ModelConfig, Crammed, load_checkpoint, load_model, pick_device
 
 # ----------------------------------------------------------------------------- the "sane" recipe
@@ -367,11 +367,6 @@ def save(path, results, trials, settings):
 
 
 # ----------------------------------------------------------------------------- main
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line like every other error here, not the usage block
-        die(message)
-
-
 def get_args(argv):
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument

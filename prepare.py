@@ -51,6 +51,13 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
+class Parser(argparse.ArgumentParser):
+    """The three scripts' flags: a bad one is one line, like every other error, not the usage."""
+
+    def error(self, message):
+        die(message)
+
+
 class Progress:
     """The one progress line of every long step, at most every `every` seconds, on stderr:
     Progress("tokenize", 105, "MB")(52.5) -> 'tokenize: 52.5/105.0 MB, 2.6 MB/s, ETA 0:20'."""
@@ -461,8 +468,7 @@ def c4_sources(shards, stats, tokens):
 
 # ----------------------------------------------------------------------------- main
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
     arg("--input", nargs="+", help=".txt (blank-line separated paragraphs), .jsonl, .json.gz, "
         ".gz of them, or folders of them; default: download C4 shards")
