@@ -250,14 +250,17 @@ def load_checkpoint(path):
     return ckpt
 
 
-def load_model(ckpt, path, **overrides):
-    """The Crammed model of a checkpoint, with config fields overridden (e.g. dropout)."""
-    model = Crammed(ModelConfig(**{**ckpt["model_config"], **overrides}))
+def load_weights(model, ckpt, path):
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         die(f"{path}: weights do not fit its model_config ({str(e).splitlines()[0]})")
     return model
+
+
+def load_model(ckpt, path, **overrides):
+    """The Crammed model of a checkpoint, with config fields overridden (e.g. dropout)."""
+    return load_weights(Crammed(ModelConfig(**{**ckpt["model_config"], **overrides})), ckpt, path)
 
 
 def save_checkpoint(path, ckpt):
@@ -448,7 +451,7 @@ def build(c, args, device, ckpt=None, ddp=False):
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
     if ckpt:
-        raw.load_state_dict(load_model(ckpt, args.ckpt).state_dict())
+        load_weights(raw, ckpt, args.ckpt)  # straight onto the device: no second copy
         opt.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"])
     model = raw
