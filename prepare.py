@@ -15,8 +15,8 @@ C4 shards (~0.17 B tokens, ~320 MB of gzip each) for a day that reads each token
     python prepare.py --input corpus.jsonl.gz      # or use local files, fully offline
     python prepare.py --input more.txt --tokenizer data/ --out heldout/   # reuse a vocabulary
 """
-import argparse, base64, gzip, hashlib, heapq, itertools, json, math, multiprocessing, os, re
-import pathlib, resource, signal, sys, threading, time, unicodedata, zlib
+import argparse, base64, fcntl, functools, gzip, hashlib, heapq, itertools, json, math
+import multiprocessing, os, pathlib, re, resource, signal, sys, threading, time, unicodedata, zlib
 from collections import Counter, defaultdict, deque
 
 import numpy as np
@@ -53,10 +53,56 @@ def die(msg):
 
 
 class Parser(argparse.ArgumentParser):
-    """The three scripts' flags: a bad one is one line, like every other error, not the usage."""
+    """The three scripts' one flag check: a bad flag is one line naming it, never the usage.
+    Every number must be finite and within its range in `limits`, every text non-empty."""
+
+    def __init__(self, doc, limits):
+        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.limits = limits
 
     def error(self, message):
         die(message)
+
+    def parse_args(self, argv=None):
+        args = super().parse_args(argv)
+        for name, value in vars(args).items():
+            flag = "--" + name.replace("_", "-")
+            lo, hi = self.limits.get(name, (-math.inf, math.inf))
+            if value == "":
+                die(f"{flag}: empty")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if number and not (math.isfinite(value) and lo <= value <= hi):  # nan fails too
+                die(f"{flag} {value}: must be in {lo:g}..{hi:g}")
+        return args
+
+
+def entry(main):
+    """Wraps each script's main: Ctrl-C exits with 130 and an OS error (a full disk, a file that
+    cannot be read or written) with one line naming the file, never with a traceback."""
+    @functools.wraps(main)
+    def guarded(argv=None):
+        try:
+            return main(argv)
+        except KeyboardInterrupt:
+            print("error: interrupted", file=sys.stderr, flush=True)
+            raise SystemExit(130)
+        except OSError as e:
+            die(f"{e.filename or 'I/O'}: {e.strerror or e}")
+    return guarded
+
+
+def claim(folder, who):
+    """Create `folder` and lock it until this process ends: two runs never write one folder."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        lock = open(os.path.join(folder, "lock"), "w")
+    except OSError as e:
+        die(f"--out {folder}: cannot write there ({e.strerror})")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        die(f"--out {folder}: another {who} is writing into it; wait for it or use another --out")
+    return lock
 
 
 class Progress:
