@@ -3,15 +3,12 @@ cram.py: pretrain the paper's final "crammed BERT" on one GPU within a wall-cloc
 
     python cram.py --time 86400                  # the paper's day, on data/ from prepare.py
     python cram.py --preset tiny --time 600      # the CPU demo: prepare.py --vocab-size 2048
+    python cram.py --eval --data heldout         # a checkpoint's loss on other prepared text
     python cram.py --fill "the capital of france is [MASK]."    # ask the trained model
     python cram.py --bench                       # throughput (tokens/s, MFU) on random tokens
     torchrun --nproc_per_node 8 cram.py ...      # several GPUs (DDP)
-
-Everything is scheduled on the clock (Geiping & Goldstein 2023): with x the fraction of the
-budget used, the learning rate is peak x min(0.25 + x, 4(1 - x)) and the batch grows by
-gradient accumulation until it reaches --batch-size at 60% of the budget.
 """
-import argparse, contextlib, fcntl, json, math, os, signal, time
+import contextlib, json, math, os, signal, time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -20,14 +17,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import SPECIALS, Parser, Progress, die, load_tokenizer, normalize, read_prepared
+from prepare import (SPECIALS, Parser, Progress, claim, die, entry, load_tokenizer, normalize,
+                     read_prepared)
 
 # ----------------------------------------------------------------------------- the recipe
 BUDGET = 86400          # seconds: one day on one GPU, compilation included
 LR = 1e-3               # peak AdamW learning rate
 BETAS = (0.9, 0.98)     # a shorter second-moment memory than Adam's 0.999: steadier with big lr
 EPS = 1e-12             # v2's AdamW epsilon
-WEIGHT_DECAY = 0.01     # on weight matrices and embeddings only, not LayerNorms or the scale
+WEIGHT_DECAY = 0.01     # on every weight but the LayerNorms', as in v2 (the position scale too)
 CLIP = 0.5              # gradient-norm clipping: the paper's guard against loss spikes
 LR_START = 0.25         # budget-triangle2: lr starts at 25% of the peak ...
 LR_FALL = 4.0           # ... and falls as 4(1 - x), so it peaks at x = 0.75 and ends at zero
@@ -51,8 +49,7 @@ PRESETS = {
     "tiny": dict(layers=2, width=128, heads=2, ffn=512, micro_batch=16, batch_size=16, lr=6e-3,
                  alibi=1.0),
 }
-PEAK_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "GH200": 989, "A100": 312,
-               "L40S": 362, "A6000": 155, "4090": 165, "3090": 71, "L4": 121, "A10": 125}
+PEAK_TFLOPS = {"A6000": 155, "A100": 312, "H100": 989}  # dense bf16, for MFU; else --peak-tflops
 STOP = []  # signals received: the loop saves and exits at the next step
 
 
@@ -140,11 +137,12 @@ class Crammed(nn.Module):
         self.pos_scale = nn.Parameter(torch.tensor(c.width ** -0.5))  # scaled sinusoidal positions
         self.emb_ln = nn.LayerNorm(c.width, eps=LN_EPS)
         self.drop = nn.Dropout(c.dropout)
-        # CPU demo only: ALiBi's fixed penalty slope x |i - j| on the attention scores (slopes
-        # alibi, alibi/2, ... by head) hands a small model the locality it cannot find in minutes
+        # CPU demo only: ALiBi's fixed penalty slope x |i - j| on the attention scores hands a
+        # small model the locality it cannot find in minutes; slopes alibi, alibi/2, ... by head,
+        # but the last head stays global (slope 0), so that the first token can read the row
         slopes = c.alibi * 0.5 ** torch.arange(c.heads)
-        distance = (torch.arange(c.seq_len)[:, None] - torch.arange(c.seq_len)).abs()
-        self.register_buffer("alibi", -slopes[:, None, None] * distance, persistent=False)
+        slopes[-1] = 0.0
+        self.register_buffer("slopes", slopes, persistent=False)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
         self.ln_f = nn.LayerNorm(c.width, eps=LN_EPS)
         for m in self.modules():
@@ -159,7 +157,8 @@ class Crammed(nn.Module):
         x = self.drop(self.emb_ln(x))
         mask = None if attn_mask is None else attn_mask[:, None, None, :]  # (B, 1, 1, T)
         if self.config.alibi:  # a float mask is added to the scores; -inf where masked out
-            bias = self.alibi[:, :T, :T]  # (heads, T, T)
+            t = torch.arange(T, device=idx.device)
+            bias = -self.slopes[:, None, None] * (t[:, None] - t).abs()  # (heads, T, T)
             mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
         for block in self.blocks:
             x = block(x, mask)
@@ -174,6 +173,13 @@ class Crammed(nn.Module):
         the masked positions (B, masked), a quarter of the tokens."""
         x = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.size(-1)))
         return x @ self.emb.weight.T  # (B, masked, vocab)
+
+
+def n_params(c):
+    """Parameters: the embedding, the position scale, two LayerNorms, and per layer qkv, proj,
+    the gated MLP and its two LayerNorms (the crammed model: 119,589,889)."""
+    per_layer = 4 * c.width ** 2 + c.width * c.ffn + c.ffn // 2 * c.width + 4 * c.width
+    return c.vocab_size * c.width + 1 + 4 * c.width + c.layers * per_layer
 
 
 def flops_per_token(c):
@@ -203,6 +209,24 @@ def mask_rows(rows, special_ids, mask_id, n_ordinary, gen):
     return inputs, positions, labels.masked_fill(hit, -100)
 
 
+class Masker:
+    """Masks on the CPU as a pure function of a seed, then onto the device: pinned memory lets
+    the copy overlap the GPU's work on the previous micro-batch."""
+
+    def __init__(self, specials, device):
+        self.specials = torch.tensor(sorted(specials.values()))
+        self.mask_id = specials["[MASK]"]
+        self.n_ordinary = min(specials.values())  # the special tokens come last
+        self.gen, self.device = torch.Generator(), device
+
+    def __call__(self, rows, seed):
+        self.gen.manual_seed(seed & (2 ** 63 - 1))
+        out = mask_rows(rows, self.specials, self.mask_id, self.n_ordinary, self.gen)
+        if self.device.type == "cuda":
+            out = [t.pin_memory().to(self.device, non_blocking=True) for t in out]
+        return dict(zip(("idx", "positions", "labels"), out))
+
+
 def schedule(x, peak):
     """budget-triangle2: 25% of the peak at the start, the peak at 75% of the budget, 0 at the
     end. x=0 -> 0.25 peak, x=0.5 -> 0.75 peak, x=0.75 -> peak, x=0.9 -> 0.4 peak."""
@@ -210,7 +234,8 @@ def schedule(x, peak):
 
 
 def ramp(x, batch_size, micro):
-    """Micro-batches per step: the batch grows linearly to batch_size at 60% of the budget."""
+    """Micro-batches per step: the batch grows linearly to batch_size at 60% of the budget.
+    batch_size=8192, micro=128: x=0 -> 1, x=0.3 -> 32, x=0.6 and after -> 64."""
     return max(1, round(batch_size / micro * min(1.0, x / RAMP_END)))
 
 
@@ -237,167 +262,6 @@ class Batches:
         return torch.from_numpy(self.rows[picked].astype(np.int64))
 
 
-# ----------------------------------------------------------------------------- checkpoints
-def load_checkpoint(path):
-    if not os.path.isfile(path):
-        die(f"{path}: no checkpoint here")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many kinds for a damaged file
-        die(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__}: {str(e)[:120]})")
-    if not isinstance(ckpt, dict) or ckpt.get("format") != "cram-ckpt-1":
-        die(f"{path}: not a cram checkpoint")
-    return ckpt
-
-
-def load_weights(model, ckpt, path):
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        die(f"{path}: weights do not fit its model_config ({str(e).splitlines()[0]})")
-    return model
-
-
-def load_model(ckpt, path, **overrides):
-    """The Crammed model of a checkpoint, with config fields overridden (e.g. dropout)."""
-    return load_weights(Crammed(ModelConfig(**{**ckpt["model_config"], **overrides})), ckpt, path)
-
-
-def save_checkpoint(path, ckpt):
-    """Atomic: a crash mid-write leaves the previous checkpoint intact."""
-    try:
-        with open(path + ".tmp", "wb") as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-    except OSError as e:  # a full disk, say: say so, and keep the previous checkpoint
-        die(f"{path}: cannot save the checkpoint ({e.strerror}); the previous one is intact")
-
-
-def pick_device(name=None):
-    try:
-        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as e:
-        die(f"--device {name}: {e}")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        die(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPUs")
-    return device
-
-
-def claim_out(out, resume):
-    """Never silently replace a run, and never share --out with another running cram.py."""
-    try:
-        os.makedirs(out, exist_ok=True)
-        lock = open(os.path.join(out, "lock"), "w")
-    except OSError as e:
-        die(f"--out {out}: cannot write there ({e.strerror})")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when this process ends
-    except OSError:
-        die(f"--out {out}: another cram.py is training into it; wait for it or use another --out")
-    found = [f for f in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, f))]
-    if found and not resume:
-        die(f"--out {out} holds a run ({', '.join(found)}): continue it with --resume, or start "
-            f"over with another --out or after deleting {out}")
-    return lock
-
-
-# ----------------------------------------------------------------------------- arguments
-POSITIVE = ["time", "steps", "layers", "width", "heads", "ffn", "micro_batch", "batch_size", "lr",
-            "save_every", "eval_rows", "bench_steps", "peak_tflops"]
-
-
-def get_args(argv=None):
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    arg = ap.add_argument
-    arg("--data", default="data", help="folder written by prepare.py")
-    arg("--out", default="out", help="folder for ckpt.pt and log.jsonl")
-    arg("--time", type=float, default=BUDGET, help="budget in seconds, compilation included")
-    arg("--steps", type=int, help="budget in optimizer steps instead (reproducible runs)")
-    arg("--preset", choices=PRESETS, default="crammed",
-        help="crammed: the paper's model and batch; tiny: a CPU demo")
-    for k in ("layers", "width", "heads", "ffn"):
-        arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
-    arg("--alibi", type=float, help="distance penalty on attention (tiny: 1; the paper: 0)")
-    arg("--micro-batch", type=int, help=f"sequences per forward pass ({MICRO_BATCH})")
-    arg("--batch-size", type=int, help=f"sequences per step at the end of the ramp ({BATCH_SIZE})")
-    arg("--lr", type=float, help=f"peak learning rate ({LR})")
-    arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
-    arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
-    arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
-    arg("--log-every", type=float, default=10, help="seconds between log lines")
-    arg("--eval-every", type=float, default=0, help="seconds between held-out evaluations")
-    arg("--eval-rows", type=int, default=2048, help="held-out rows for the loss and accuracy")
-    arg("--save-every", type=float, default=1800, help="seconds between checkpoints")
-    arg("--resume", action="store_true", help="continue OUT/ckpt.pt exactly where it stopped")
-    arg("--peak-tflops", type=float, help="device peak for MFU (default: known GPUs)")
-    arg("--eval", action="store_true", help="only score --ckpt on DATA's rows (e.g. held-out "
-        "text prepared with --tokenizer): masked-LM loss and accuracy")
-    arg("--fill", nargs="+", metavar="TEXT", help="print --ckpt's top 5 guesses for each [MASK]")
-    arg("--ckpt", help="checkpoint for --eval and --fill (default: OUT/ckpt.pt)")
-    arg("--bench", action="store_true", help="time training steps on random tokens and exit")
-    arg("--bench-steps", type=int, default=20, help="timed steps in --bench (after 3 warm-up)")
-    arg("--vocab-size", type=int, default=32768, help="vocabulary for --bench")
-    args = ap.parse_args(argv)
-    for k, v in PRESETS[args.preset].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    for k in POSITIVE:
-        v = getattr(args, k)
-        if v is not None and not (v > 0 and math.isfinite(v)):
-            die(f"--{k.replace('_', '-')} {v}: must be a positive finite number")
-    for k in ("log_every", "eval_every", "alibi"):
-        if not getattr(args, k) >= 0:
-            die(f"--{k.replace('_', '-')} {getattr(args, k)}: must be 0 or more")
-    if args.width % args.heads or args.ffn % 2:
-        die(f"--width {args.width} must divide by --heads {args.heads}; --ffn must be even")
-    if args.batch_size < args.micro_batch:
-        die(f"--batch-size {args.batch_size}: must be at least --micro-batch {args.micro_batch}")
-    if not 5 <= args.vocab_size <= 65536:
-        die(f"--vocab-size {args.vocab_size}: must be in 5..65536")
-    args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
-    return args
-
-
-# ----------------------------------------------------------------------------- training
-def setup(args):
-    """(rank, world, device): under torchrun each process takes its own GPU and joins the group."""
-    device = pick_device(args.device)
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def autocast(device):
-    """bf16 on the GPU: tensor-core speed, and unlike fp16 it needs no loss scaling."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-class Masker:
-    """Masks on the CPU as a pure function of a seed, then onto the device: pinned memory lets
-    the copy overlap the GPU's work on the previous micro-batch."""
-
-    def __init__(self, specials, device):
-        self.specials = torch.tensor(sorted(specials.values()))
-        self.mask_id = specials["[MASK]"]
-        self.n_ordinary = min(specials.values())  # the special tokens come last
-        self.gen, self.device = torch.Generator(), device
-
-    def __call__(self, rows, seed):
-        self.gen.manual_seed(seed & (2 ** 63 - 1))
-        out = mask_rows(rows, self.specials, self.mask_id, self.n_ordinary, self.gen)
-        if self.device.type == "cuda":
-            out = [t.pin_memory().to(self.device, non_blocking=True) for t in out]
-        return dict(zip(("idx", "positions", "labels"), out))
-
-
 @torch.no_grad()
 def evaluate(model, sources, n_rows, masker, micro, device):
     """Masked-LM loss and top-1 accuracy on the masked tokens of the first n_rows rows of the
@@ -421,6 +285,49 @@ def evaluate(model, sources, n_rows, masker, micro, device):
     return loss / max(count, 1), right / max(count, 1)
 
 
+# ----------------------------------------------------------------------------- checkpoints
+def load_checkpoint(path):
+    """A cram checkpoint, checked: a damaged one is one line, not a traceback later."""
+    if not os.path.isfile(path):
+        die(f"{path}: no checkpoint here")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many kinds for a damaged file
+        die(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__}: {str(e)[:120]})")
+    if not isinstance(ckpt, dict) or ckpt.get("format") != "cram-ckpt-1":
+        die(f"{path}: not a cram checkpoint")
+    tok, vocab = ckpt["tokenizer"], ckpt["model_config"]["vocab_size"]
+    n = len(tok["ranks"].splitlines()) + len(tok["special_tokens"])
+    if n != vocab:
+        die(f"{path}: damaged: its tokenizer has {n} tokens, its model {vocab}")
+    return ckpt
+
+
+def load_model(ckpt, path, **overrides):
+    """The Crammed model of a checkpoint, with config fields overridden (e.g. dropout)."""
+    model = Crammed(ModelConfig(**{**ckpt["model_config"], **overrides}))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        die(f"{path}: weights do not fit its model_config ({str(e).splitlines()[0]})")
+    return model
+
+
+def save_checkpoint(path, ckpt):
+    """Atomic: written beside, then renamed; a crash or a full disk leaves the previous one."""
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        die(f"{path}: cannot save the checkpoint ({str(e).splitlines()[0][:120]}); the previous "
+            f"one is intact")
+
+
 def check_data(ckpt, meta, tok, path, data):
     """A checkpoint reads only data of its own vocabulary, row length and tokenizer."""
     mc = ckpt["model_config"]
@@ -431,27 +338,132 @@ def check_data(ckpt, meta, tok, path, data):
         die(f"{path}: trained with another tokenizer than {data}; prepare it with --tokenizer")
 
 
-def peak_tflops(args, device):
-    """The GPU's dense bf16 peak, from --peak-tflops or the table of known GPUs."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return args.peak_tflops or next((p for n, p in PEAK_TFLOPS.items() if n in name), None)
+# ----------------------------------------------------------------------------- arguments
+LIMITS = {"time": (1e-3, 1e9), "steps": (1, 1e15), "layers": (1, 1e15), "width": (1, 1e15),
+          "heads": (1, 1e15), "ffn": (2, 1e15), "alibi": (0, 1e3), "micro_batch": (1, 1e15),
+          "batch_size": (1, 1e15), "lr": (1e-9, 1), "seed": (0, 2 ** 32 - 1),
+          "log_every": (0, 1e9), "eval_every": (0, 1e9), "eval_rows": (1, 1e15),
+          "save_every": (1e-3, 1e9), "bench_steps": (1, 1e6), "vocab_size": (5, 65536),
+          "peak_tflops": (1e-3, 1e6)}
+RUN = ["layers", "width", "heads", "ffn", "alibi", "time", "steps", "micro_batch", "batch_size",
+       "lr", "seed"]  # what a run is: --resume takes them from the checkpoint
 
 
-def mfu(tok_s, c, world, peak):
-    """Model FLOPs utilisation: the share of the GPU's dense bf16 peak the training step uses."""
-    return f"{100 * flops_per_token(c) * tok_s / world / (peak * 1e12):.1f}%" if peak else "n/a"
+def get_args(argv=None):
+    ap = Parser(__doc__, LIMITS)
+    arg = ap.add_argument
+    arg("--data", default="data", help="folder written by prepare.py")
+    arg("--out", default="out", help="folder for ckpt.pt and log.jsonl")
+    arg("--time", type=float, default=BUDGET, help="budget in seconds, compilation included")
+    arg("--steps", type=int, help="budget in optimizer steps instead (reproducible runs)")
+    arg("--preset", choices=PRESETS, default="crammed",
+        help="crammed: the paper's model and batch; tiny: the CPU demo")
+    for k in ("layers", "width", "heads", "ffn"):
+        arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
+    arg("--alibi", type=float, help="distance penalty on attention (tiny: 1; the paper: 0)")
+    arg("--micro-batch", type=int, help=f"sequences per forward pass ({MICRO_BATCH})")
+    arg("--batch-size", type=int, help=f"sequences per step at the end of the ramp ({BATCH_SIZE})")
+    arg("--lr", type=float, help=f"peak learning rate ({LR})")
+    arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
+    arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
+    arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
+    arg("--log-every", type=float, default=10, help="seconds between log lines")
+    arg("--eval-every", type=float, default=0, help="seconds between held-out evaluations")
+    arg("--eval-rows", type=int, default=2048, help="held-out rows for the loss and accuracy")
+    arg("--save-every", type=float, default=1800, help="seconds between checkpoints")
+    arg("--resume", action="store_true", help="continue OUT/ckpt.pt exactly where it stopped")
+    arg("--peak-tflops", type=float, help=f"GPU peak for MFU (default: {PEAK_TFLOPS})")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--eval", action="store_true", help="only score --ckpt on DATA's rows "
+                      "(e.g. held-out text prepared with --tokenizer)")
+    mode.add_argument("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK]")
+    mode.add_argument("--bench", action="store_true", help="time training steps, random tokens")
+    arg("--ckpt", help="checkpoint for --eval and --fill (default: OUT/ckpt.pt)")
+    arg("--bench-steps", type=int, default=20, help="timed steps in --bench (after 3 warm-up)")
+    arg("--vocab-size", type=int, default=32768, help="vocabulary for --bench")
+    args = ap.parse_args(argv)
+    for k, v in PRESETS[args.preset].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.width % args.heads or args.ffn % 2:
+        die(f"--width {args.width} must divide by --heads {args.heads}; --ffn must be even")
+    if args.batch_size < args.micro_batch:
+        die(f"--batch-size {args.batch_size}: must be at least --micro-batch {args.micro_batch}")
+    if args.ckpt and not (args.eval or args.fill):
+        die(f"--ckpt {args.ckpt}: only for --eval and --fill; training writes OUT/ckpt.pt")
+    args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
+    return args
+
+
+# ----------------------------------------------------------------------------- set-up
+def pick_device(name=None):
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        die(f"--device {name}: {e}")
+    if device.type not in ("cpu", "cuda"):
+        die(f"--device {name}: cram runs on cpu or cuda")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        die(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPUs")
+    return device
+
+
+def setup(args):
+    """(rank, world, device): under torchrun each process takes its own GPU and joins the group."""
+    device = pick_device(args.device)
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def claim_out(args):
+    """Never replace a run silently, never share --out, and fail now if it cannot be written."""
+    lock = claim(args.out, "cram.py")
+    found = [f for f in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(args.out, f))]
+    if found and not args.resume:
+        die(f"--out {args.out} holds a run ({', '.join(found)}): continue it with --resume, or "
+            f"start over with another --out or after deleting {args.out}")
+    try:  # the save at the end must not be the first to find out
+        open(args.ckpt + ".tmp", "wb").close()
+        os.remove(args.ckpt + ".tmp")
+    except OSError as e:
+        die(f"--out {args.out}: cannot write there ({e.strerror})")
+    return lock
+
+
+def autocast(device):
+    """bf16 on the GPU: tensor-core speed, and unlike fp16 it needs no loss scaling."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
+
+
+def check_fits(c, micro, device):
+    """Refuse a size that cannot fit before building it: 16 bytes a parameter (weights, grads,
+    AdamW's two moments) and the attention scores (micro, heads, T, T) in fp32 at worst."""
+    need = 16 * n_params(c) + 4 * micro * c.heads * c.seq_len ** 2
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    have = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else ram
+    if need > have:
+        die(f"{c.layers} layers x {c.width} ({n_params(c) / 1e6:,.0f} M parameters) at "
+            f"{c.seq_len} tokens x {micro} need about {need / 2 ** 30:,.0f} GiB, more than the "
+            f"{have / 2 ** 30:,.0f} GiB of {device}: make the model or --micro-batch smaller")
 
 
 def build(c, args, device, ckpt=None, ddp=False):
     """(model to call, the raw module, AdamW); from the checkpoint's state when resuming."""
+    check_fits(c, args.micro_batch, device)
     torch.manual_seed(args.seed)
     raw = Crammed(c).to(device)
-    decay = [p for p in raw.parameters() if p.dim() >= 2]  # not LayerNorms, not the scale
-    rest = [p for p in raw.parameters() if p.dim() < 2]
+    norms = {p for m in raw.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    decay = [p for p in raw.parameters() if p not in norms]  # v2: all but biases and norms
+    rest = [p for p in raw.parameters() if p in norms]  # in a fixed order, for --resume
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
     if ckpt:
-        load_weights(raw, ckpt, args.ckpt)  # straight onto the device: no second copy
+        raw.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"])
     model = raw
@@ -465,6 +477,14 @@ def build(c, args, device, ckpt=None, ddp=False):
     return model, raw, opt
 
 
+def mfu(tok_s, c, world, device, args):
+    """Model FLOPs utilisation: the share of the GPU's dense bf16 peak the training uses."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    peak = args.peak_tflops or next((p for n, p in PEAK_TFLOPS.items() if n in name), None)
+    return f"{100 * flops_per_token(c) * tok_s / world / (peak * 1e12):.1f}%" if peak else "n/a"
+
+
+# ----------------------------------------------------------------------------- training
 class Trainer:
     """One pretraining run. Its state (weights, optimizer, RNG, step, sequences, elapsed seconds,
     skipped steps, data position) is what a checkpoint holds, so --resume is exact."""
@@ -472,7 +492,7 @@ class Trainer:
     def __init__(self, args, rank, world, device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
         meta, self.tok, rows = read_prepared(args.data)
-        self.lock = claim_out(args.out, args.resume) if rank == 0 else None
+        self.lock = claim_out(args) if rank == 0 else None
         self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
                              args.heads, args.ffn, alibi=args.alibi)
         ckpt = load_checkpoint(args.ckpt) if args.resume else None
@@ -480,19 +500,21 @@ class Trainer:
         if ckpt:
             check_data(ckpt, meta, self.tok, args.ckpt, args.data)
             self.c = ModelConfig(**ckpt["model_config"])
-            for k in ("time", "steps", "micro_batch", "batch_size", "lr", "seed"):
-                setattr(args, k, ckpt["args"][k])  # the schedule depends on these: the run decides
+            run = {k: ckpt["args"][k] for k in RUN}
+            kept = [f"--{k.replace('_', '-')} {v}" for k, v in run.items() if getattr(args, k) != v]
+            vars(args).update(run)  # the schedule depends on these: the run decides
             self.step, self.seqs, self.elapsed = ckpt["step"], ckpt["seqs"], ckpt["elapsed"]
             self.skipped, data_pos = ckpt["skipped"], ckpt["data"]
         self.model, self.raw, self.opt = build(self.c, args, device, ckpt, ddp=world > 1)
         self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *data_pos)
         self.val, self.masker = rows["val"], Masker(self.tok["special_tokens"], device)
         self.logf = open(os.path.join(args.out, "log.jsonl"), "a") if rank == 0 else None
-        self.peak = peak_tflops(args, device)
-        n = sum(p.numel() for p in self.raw.parameters())
-        self.log(f"crammed BERT: {self.c.layers} layers x {self.c.width}, {n / 1e6:.1f} M "
-                 f"parameters, {flops_per_token(self.c) / 1e9:.3f} GFLOP/token" +
-                 (f"; resumed {args.ckpt} at step {self.step}" if ckpt else ""))
+        self.log(f"crammed BERT: {self.c.layers} layers x {self.c.width}, "
+                 f"{n_params(self.c) / 1e6:.1f} M parameters, "
+                 f"{flops_per_token(self.c) / 1e9:.3f} GFLOP/token")
+        if ckpt:
+            self.log(f"resumed {args.ckpt} at step {self.step}" +
+                     (f"; the run keeps its own {', '.join(kept)}" if kept else ""))
 
     def log(self, line, **record):
         if self.rank == 0:
@@ -513,7 +535,7 @@ class Trainer:
         return x, stop or x >= 1
 
     def train_step(self, x):
-        """Accumulate micro-batches up to the ramp's batch, clip, step; the mean loss or None."""
+        """Accumulate micro-batches up to the ramp's batch, clip, step; returns the batch."""
         a = self.args
         for g in self.opt.param_groups:
             g["lr"] = schedule(x, a.lr)
@@ -530,9 +552,9 @@ class Trainer:
                 loss.backward()
             loss_sum += loss.detach()
         norm = nn.utils.clip_grad_norm_(self.raw.parameters(), CLIP)
-        finite = bool(torch.isfinite(norm))
-        if finite:
+        if torch.isfinite(norm):
             self.opt.step()
+            self.losses.append(loss_sum.item())
             self.bad_run = 0
         else:  # a non-finite loss or gradient: skip the step; give up if it persists
             self.skipped, self.bad_run = self.skipped + 1, self.bad_run + 1
@@ -542,8 +564,6 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         self.seqs += accum * a.micro_batch * self.world
-        if finite:
-            self.losses.append(loss_sum.item())
         return accum * a.micro_batch * self.world
 
     def report(self, x, batch):
@@ -555,7 +575,7 @@ class Trainer:
         left = (a.steps - self.step) * elapsed / self.step if a.steps else a.time - elapsed
         r = dict(step=self.step, seqs=self.seqs, tokens=self.seqs * self.c.seq_len, loss=loss,
                  lr=schedule(x, a.lr), batch=batch, tok_s=round(tok_s),
-                 mfu=mfu(tok_s, self.c, self.world, self.peak), elapsed=round(elapsed, 1),
+                 mfu=mfu(tok_s, self.c, self.world, self.device, a), elapsed=round(elapsed, 1),
                  skipped=self.skipped)
         self.log(f"step {self.step} | {r['tokens'] / 1e6:,.1f}M tok | loss {loss:.4f} | lr "
                  f"{r['lr']:.2e} | batch {batch} | {tok_s:,.0f} tok/s | mfu {r['mfu']} | "
@@ -615,8 +635,7 @@ class Trainer:
             every = [torch.zeros_like(sums) for _ in range(self.world)]
             dist.all_gather(every, sums)
             agree = all(torch.equal(every[0], s) for s in every)
-            self.log(f"replicas agree: {agree}", step=self.step, ranks_agree=agree,
-                     world=self.world)
+            self.log(f"replicas agree: {agree}", ranks_agree=agree, world=self.world)
             if not agree:
                 die("DDP replicas diverged")
             dist.destroy_process_group()
@@ -627,28 +646,23 @@ class Trainer:
 
 # ----------------------------------------------------------------------------- bench, eval, fill
 def bench(args, device):
-    """Training steps on random tokens at the chosen size and micro-batch: tokens/s and MFU."""
+    """--bench: training steps on random tokens at the chosen size: tokens/s and MFU."""
     c = ModelConfig(args.vocab_size, 128, args.layers, args.width, args.heads, args.ffn,
                     alibi=args.alibi)
     model, raw, opt = build(c, args, device)
     masker = Masker({s: args.vocab_size - 4 + i for i, s in enumerate(SPECIALS)}, device)
-    times = []
     for i in range(3 + args.bench_steps):  # 3 warm-up steps: compilation, allocator, caches
-        rows = torch.randint(0, masker.n_ordinary, (args.micro_batch, c.seq_len))
-        t0 = time.time()
+        if i == 3:
+            t0 = time.time()
         with autocast(device):
-            loss = model(**masker(rows, i))
+            loss = model(**masker(torch.randint(0, c.vocab_size - 4, (args.micro_batch, 128)), i))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss.item()  # waits for the GPU
-        times.append(time.time() - t0)
-        warm = " (warm-up)" if i < 3 else ""
-        print(f"bench step {i}: {times[-1] * 1e3:.0f} ms{warm}", flush=True)
-    tok_s = args.micro_batch * c.seq_len * args.bench_steps / sum(times[3:])
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"bench: {name} micro-batch {args.micro_batch} compile={model is not raw} "
-          f"tokens/s={tok_s:.0f} mfu={mfu(tok_s, c, 1, peak_tflops(args, device))}", flush=True)
+        print(f"bench step {i}: loss {loss.item():.3f}", flush=True)  # .item() waits for the GPU
+    tok_s = args.micro_batch * 128 * args.bench_steps / (time.time() - t0)
+    print(f"bench: {device} micro-batch {args.micro_batch} compile={model is not raw} "
+          f"tokens/s={tok_s:.0f} mfu={mfu(tok_s, c, 1, device, args)}", flush=True)
     return tok_s
 
 
@@ -666,19 +680,12 @@ def eval_ckpt(args, device):
     return loss
 
 
-def encode_masked(text, enc, mask_id):
-    """Ids of a text with [MASK]s, each piece normalised as prepare.py does; a piece after a
-    [MASK] keeps its leading space, as it had in the corpus: 'The Cat [MASK] on it' ->
-    ids('the cat') + [MASK] + ids(' on it')."""
-    ids = []
-    for k, piece in enumerate(text.split("[MASK]")):
-        if k:
-            ids.append(mask_id)
-        words = normalize(piece)
-        if k and words and piece[:1].isspace():
-            words = " " + words
-        ids += enc.encode_ordinary(words)
-    return ids
+def encode_masked(text, enc):
+    """Ids of a text with [MASK]s, normalised as prepare.py does. A [MASK] stands for a token and
+    the space before it, as words are in the corpus: 'The Cat [MASK] on it' -> ids('the cat') +
+    [MASK] + ids(' on it')."""
+    text = normalize(text).replace(" [mask]", "[mask]").replace("[mask]", "[MASK]")
+    return enc.encode(text, allowed_special={"[MASK]"}, disallowed_special=())
 
 
 @torch.no_grad()
@@ -686,10 +693,11 @@ def fill(args, device):
     """--fill: the checkpoint's top 5 tokens, with probabilities, for each [MASK] of each text."""
     ckpt = load_checkpoint(args.ckpt)
     model = load_model(ckpt, args.ckpt).to(device).eval()
-    enc, mask_id = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]["[MASK]"]
+    specials = ckpt["tokenizer"]["special_tokens"]
+    enc, mask_id = load_tokenizer(ckpt["tokenizer"]), specials["[MASK]"]
     answers = []
     for text in args.fill:
-        ids = encode_masked(text, enc, mask_id)
+        ids = encode_masked(text, enc)
         positions = [i for i, t in enumerate(ids) if t == mask_id]
         if not positions:
             die(f"--fill {text!r}: no [MASK] in it")
@@ -697,11 +705,9 @@ def fill(args, device):
             die(f"--fill {text!r}: {len(ids)} tokens, more than the model's {model.config.seq_len}")
         hidden = model(torch.tensor([ids], device=device))
         logits = model.decode(hidden, torch.tensor([positions], device=device))[0]
-        specials = min(ckpt["tokenizer"]["special_tokens"].values())  # they come last
-        logits[:, specials:] = -float("inf")  # never a label, so never a guess
-        probs = logits.softmax(-1)  # (masks, vocab)
+        logits[:, min(specials.values()):] = -float("inf")  # specials come last: never a guess
         print(text)
-        for k, p in enumerate(probs):
+        for k, p in enumerate(logits.softmax(-1)):  # (masks, vocab)
             top = [(enc.decode([int(t)]).strip(), float(v)) for v, t in zip(*p.topk(5))]
             answers.append(top)
             print(f"  [MASK] {k + 1}: " + ", ".join(f"{w!r} {v:.3f}" for w, v in top), flush=True)
@@ -712,6 +718,7 @@ def request_stop(signum, frame):
     STOP.append(signum)
 
 
+@entry
 def main(argv=None):
     args = get_args(argv)
     rank, world, device = setup(args)
@@ -721,10 +728,13 @@ def main(argv=None):
         return bench(args, device)
     if args.eval:
         return eval_ckpt(args, device)
-    STOP.clear()
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, request_stop)
-    Trainer(args, rank, world, device).train()
+    STOP.clear()  # Ctrl-C and SIGTERM save and stop at the next step; then the caller's handlers
+    old = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        Trainer(args, rank, world, device).train()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

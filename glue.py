@@ -368,7 +368,7 @@ def save(path, results, trials, settings):
 
 # ----------------------------------------------------------------------------- main
 def get_args(argv):
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(__doc__, {})
     arg = ap.add_argument
     arg("--ckpt", required=True, help="cram checkpoint to fine-tune")
     arg("--out", help="results file (default: glue.json next to the checkpoint)")

@@ -515,7 +515,7 @@ def c4_sources(shards, stats, tokens):
 
 # ----------------------------------------------------------------------------- main
 def parse_args(argv):
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(__doc__, {})
     arg = ap.add_argument
     arg("--input", nargs="+", help=".txt (blank-line separated paragraphs), .jsonl, .json.gz, "
         ".gz of them, or folders of them; default: download C4 shards")

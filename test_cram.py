@@ -641,7 +641,7 @@ def test_out_folder_holds_a_run(tmp_path, data):
     with open(os.path.join(out, "lock"), "w") as lock:  # as a second cram.py would find it
         import fcntl
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(SystemExit, match="another cram.py is training into it"):
+        with pytest.raises(SystemExit, match="another cram.py is writing into it"):
             cram.main(["--data", data, "--out", out, "--resume", *TINY])
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match="--out .*file: cannot write there"):
@@ -681,8 +681,8 @@ def test_fill_masks_with_top_5(tmp_path, data, capsys):
     assert all(1 >= a[0][1] >= a[4][1] > 0 for a in answers)
     assert not any(w in prepare.SPECIALS for a in answers for w, _ in a)  # never a label
     enc = prepare.load_tokenizer(prepare.read_prepared(data)[1])
-    ids = cram.encode_masked("The Cat [MASK] on it", enc, 999)
-    assert ids == enc.encode_ordinary("the cat") + [999] + enc.encode_ordinary(" on it")
+    ids = cram.encode_masked("The Cat [MASK] on it", enc)
+    assert ids == enc.encode_ordinary("the cat") + [349] + enc.encode_ordinary(" on it")
     with pytest.raises(SystemExit, match="no \\[MASK\\] in it"):
         cram.main(["--out", str(tmp_path), "--fill", "no mask here"])
     with pytest.raises(SystemExit, match="no checkpoint here"):
@@ -693,14 +693,107 @@ def test_alibi_penalises_distance_and_respects_padding():
     torch.manual_seed(0)
     c = cram.ModelConfig(vocab_size=300, seq_len=16, layers=2, width=32, heads=2, ffn=64, alibi=1.0)
     model = cram.Crammed(c).eval()
-    assert model.alibi[0, 3, :6].tolist() == [-3, -2, -1, 0, -1, -2]  # slope 1 on head 0
-    assert model.alibi[1, 0, 4].item() == -2  # slope 1/2 on head 1
+    assert model.slopes.tolist() == [1.0, 0.0]  # head 0 local, the last head global
+    seen, sdpa = [], cram.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):  # the scores' additive mask, as attention gets it
+        seen.append(attn_mask)
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cram.F, "scaled_dot_product_attention", spy)
+        model(torch.randint(0, 296, (1, 6)))
+    assert seen[0][0, 3].tolist() == [-3, -2, -1, 0, -1, -2] and seen[0][1].abs().max() == 0
     x = torch.randint(0, 296, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.bool)
     mask[0, 10:] = False  # row 0 is 10 real tokens and padding
     padded, alone = model(x, mask), model(x[:1, :10])
     assert torch.allclose(padded[0, :10], alone[0], atol=1e-5)
     assert cram.get_args(["--preset", "tiny"]).alibi == 1 and cram.get_args([]).alibi == 0
+
+
+def test_training_never_writes_another_runs_checkpoint(tmp_path, data):
+    old = str(tmp_path / "old")
+    cram.main(["--data", data, "--out", old, "--steps", "1", *TINY])
+    before = open(os.path.join(old, "ckpt.pt"), "rb").read()
+    with pytest.raises(SystemExit, match="--ckpt .*only for --eval and --fill"):
+        cram.main(["--data", data, "--out", str(tmp_path / "new"), "--ckpt", old + "/ckpt.pt", *TINY])
+    assert open(os.path.join(old, "ckpt.pt"), "rb").read() == before
+    os.makedirs(os.path.join(old, "ckpt.pt.tmp"))  # a folder cannot be written (not even by root)
+    with pytest.raises(SystemExit, match="--out .*old: cannot write there"):
+        cram.main(["--data", data, "--out", old, "--resume", *TINY])
+    assert len(records(old)) == 2  # refused at start-up: nothing trained, nothing logged
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--eval", "--fill", "a [MASK]"], "argument --fill: not allowed with argument --eval"),
+    (["--device", "mps"], "--device mps: cram runs on cpu or cuda"),
+    (["--device", "meta"], "--device meta: cram runs on cpu or cuda"), (["--device", ""], "--device: empty"),
+    (["--seed", "-1"], "--seed -1: must be in"), (["--seed", str(2 ** 64)], "--seed 18446744073709551616: must"),
+    (["--alibi", "inf"], "--alibi inf: must be in"), (["--data", ""], "--data: empty"),
+    (["--width", "100000000000"], r"2 layers x 100000000000 .* need about .* GiB, more than"),
+    (["--layers", "100000000"], r"100000000 layers x 64 .* GiB, more than")])
+def test_nonsense_is_one_line(flags, msg, data, tmp_path):
+    with pytest.raises(SystemExit, match="^error: " + msg):
+        cram.main(["--data", data, "--out", str(tmp_path), *TINY, *flags])
+    assert not os.path.exists(tmp_path / "log.jsonl")
+
+
+def test_rows_too_long_to_fit_are_refused(tmp_path, data):
+    meta = json.load(open(os.path.join(data, "meta.json")))
+    c = cram.ModelConfig(meta["vocab_size"], 65536, 2, 128, 2, 512, alibi=1.0)
+    with pytest.raises(SystemExit, match=r"at 65536 tokens x 16 need about 512 GiB"):
+        cram.check_fits(c, 16, torch.device("cpu"))
+
+
+def test_resume_says_the_run_keeps_its_settings(tmp_path, data, capsys):
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "2", *TINY])
+    cram.main(["--data", data, "--out", str(tmp_path), "--resume", "--steps", "3", *TINY, "--width", "128"])
+    out = capsys.readouterr().out
+    assert "the run keeps its own --width 64, --steps 2" in out
+    assert cram.load_checkpoint(str(tmp_path / "ckpt.pt"))["step"] == 2
+
+
+def test_damaged_checkpoints_and_a_full_disk(tmp_path, data, monkeypatch):
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "1", *TINY])
+    path = str(tmp_path / "ckpt.pt")
+    ckpt = torch.load(path)
+    ckpt["tokenizer"] = dict(ckpt["tokenizer"], ranks=ckpt["tokenizer"]["ranks"] + "YWJj 999\n")
+    torch.save(ckpt, tmp_path / "big.pt")
+    with pytest.raises(SystemExit, match="big.pt: damaged: its tokenizer has 351 tokens, its model 350"):
+        cram.main(["--out", str(tmp_path), "--fill", "a [MASK]", "--ckpt", str(tmp_path / "big.pt")])
+    before = open(path, "rb").read()
+
+    def full(obj, f):  # what torch.save does when the disk is full
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64")
+    monkeypatch.setattr(cram.torch, "save", full)
+    with pytest.raises(SystemExit, match="ckpt.pt: cannot save the checkpoint .* the previous one is intact"):
+        cram.save_checkpoint(path, {})
+    assert open(path, "rb").read() == before and not os.path.exists(path + ".tmp")
+
+
+def test_ctrl_c_is_one_line_and_handlers_come_back(tmp_path, data, monkeypatch, capsys):
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "1", *TINY])
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cram, "evaluate", interrupted)
+    with pytest.raises(SystemExit) as e:
+        cram.main(["--data", data, "--out", str(tmp_path), "--eval", *TINY])
+    assert e.value.code == 130 and capsys.readouterr().err.strip() == "error: interrupted"
+
+
+def test_weight_decay_spares_only_the_layernorms():
+    args = cram.get_args(["--layers", "1", "--width", "32", "--heads", "2", "--ffn", "64"])
+    _, raw, opt = cram.build(cram.ModelConfig(300, 16, 1, 32, 2, 64), args, torch.device("cpu"))
+    decayed = {id(p) for p in opt.param_groups[0]["params"]}
+    assert opt.param_groups[0]["weight_decay"] == 0.01 and opt.param_groups[1]["weight_decay"] == 0
+    assert id(raw.pos_scale) in decayed and id(raw.emb.weight) in decayed  # as in the official v2
+    assert {n for n, p in raw.named_parameters() if id(p) not in decayed} == {
+        "emb_ln.weight", "emb_ln.bias", "ln_f.weight", "ln_f.bias", "blocks.0.ln_1.weight",
+        "blocks.0.ln_1.bias", "blocks.0.ln_2.weight", "blocks.0.ln_2.bias"}
 
 
 # ----------------------------------------------------------------------------- glue.py
