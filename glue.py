@@ -30,7 +30,8 @@ MAX_LEN = 128        # tokens per example with [CLS] and [SEP]s: the pretraining
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
 LIMITS = {"epochs": (1, math.inf), "batch_size": (1, math.inf), "trials": (1, math.inf),
-          "seed": (0, 2 ** 32 - 1), "max_len": (4, math.inf),  # 4: [CLS] a [SEP] b [SEP]
+          "seed": (0, 2 ** 32 - 1),  # a seed that every random generator accepts
+          "max_len": (4, math.inf),  # [CLS] a [SEP] b [SEP]; the top is the checkpoint's seq_len
           "lr": (1e-9, 1)}  # above 0: a smaller step does not move an fp32 weight of ~0.02
 
 GLUE_URL = "https://dl.fbaipublicfiles.com/glue/data/{}.zip"
@@ -91,7 +92,6 @@ def build_mrpc(folder):
 
 
 def ensure_task(task, glue_dir):
-    """The task's folder with its train and dev files, downloaded if one is missing."""
     folder = os.path.join(glue_dir, task)
     need = ["train.tsv", *DEV[task].values()]
     if all(os.path.exists(os.path.join(folder, f)) for f in need):
@@ -297,21 +297,16 @@ def print_table(name, results):
     avg, over = glue_score(results)
     rows = {name: [results[s][m] if s in results else None for s, m in COLUMNS] + [avg]}
     rows.update({label: v + [np.mean(v)] for label, v in REFERENCE.items()})
-    names = [s for s, _ in COLUMNS[2:]] + ["GLUE"]
-    print(f"\n{'model':30s} {'MNLI m/mm':>11s}" + "".join(f" {s:>6s}" for s in names))
+    print(f"\n{'model':29s}" + "".join(f"{s:>8s}" for s, _ in COLUMNS) + "    GLUE")
     for label, values in rows.items():
-        cells = ["-" if v is None else f"{v:.1f}" for v in values]
-        rest = "".join(f" {c:>6s}" for c in cells[2:])
-        print(f"{label:30s} {cells[0] + '/' + cells[1]:>11s}{rest}")
+        print(f"{label:29s}" + "".join("       -" if v is None else f"{v:8.1f}" for v in values))
     if 0 < len(over) < len(COLUMNS):
         print(f"note: the GLUE score here is the mean over {', '.join(over)} only")
 
 
 def save(path, mine):
-    """Merge this run's finished tasks, mine = {"results", "trials", "settings"}, into the results
-    file and return all it holds. The file is read again under an exclusive lock on path.lock,
-    so that another glue.py that saved meanwhile keeps its tasks. Before any task has finished
-    it writes nothing and only finds a results file that cannot be read or written."""
+    """Merge this run's finished tasks into the results file, read again under a lock so that
+    another glue.py that saved meanwhile keeps its tasks; with none finished, only check it."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         lock = open(path + ".lock", "w")
@@ -341,8 +336,7 @@ def get_args(argv):
     arg("--ckpt", required=True, help="cram checkpoint to fine-tune")
     arg("--out", help="results file (default: glue.json next to the checkpoint)")
     arg("--glue-dir", default="data/glue", help="GLUE task folders (default: %(default)s)")
-    arg("--tasks", default="CoLA,SST-2,MRPC,STS-B,QQP,MNLI,QNLI,RTE",
-        help="comma-separated, any case; WNLI too (default: %(default)s)")
+    arg("--tasks", default="CoLA,SST-2,MRPC,STS-B,QQP,MNLI,QNLI,RTE", help="any case; WNLI too")
     arg("--epochs", type=int, default=EPOCHS, help="per task (default: %(default)s)")
     arg("--lr", type=float, default=LR, help="peak AdamW lr (default: %(default)s)")
     arg("--batch-size", type=int, default=BATCH_SIZE, help="(default: %(default)s)")
@@ -376,7 +370,6 @@ def main(argv=None):
     save(args.out, mine)  # a results file that cannot be read or written fails now
     data = {}
     for task in args.tasks:  # every file first: a bad one should fail now, not hours into the run
-        print(f"{task}: reading its files in {args.glue_dir}", flush=True)
         folder = ensure_task(task, args.glue_dir)
         data[task] = {s: read_tsv(os.path.join(folder, f), task)
                       for s, f in {"train": "train.tsv", **DEV[task]}.items()}
