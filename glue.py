@@ -336,7 +336,8 @@ def get_args(argv):
     arg("--ckpt", required=True, help="cram checkpoint to fine-tune")
     arg("--out", help="results file (default: glue.json next to the checkpoint)")
     arg("--glue-dir", default="data/glue", help="GLUE task folders (default: %(default)s)")
-    arg("--tasks", default="CoLA,SST-2,MRPC,STS-B,QQP,MNLI,QNLI,RTE", help="any case; WNLI too")
+    arg("--tasks", default="CoLA,SST-2,MRPC,STS-B,QQP,MNLI,QNLI,RTE",
+        help="comma-separated, any case; WNLI too (default: %(default)s)")
     arg("--epochs", type=int, default=EPOCHS, help="per task (default: %(default)s)")
     arg("--lr", type=float, default=LR, help="peak AdamW lr (default: %(default)s)")
     arg("--batch-size", type=int, default=BATCH_SIZE, help="(default: %(default)s)")
