@@ -1,21 +1,21 @@
 """
 glue.py: fine-tune a crammed checkpoint on GLUE with the paper's "sane" recipe, print its table.
-Missing GLUE files are downloaded, and all of them are checked before any fine-tuning. Results
-merge into glue.json next to the checkpoint: a task run again replaces only that task.
+Missing GLUE files are downloaded; all are checked before any fine-tuning. Results merge into
+glue.json next to the checkpoint: a rerun replaces only its tasks, and runs at once keep theirs.
 
     python glue.py --ckpt out/ckpt.pt                       # the eight tasks of the paper
-    python glue.py --ckpt out/ckpt.pt --tasks rte,mrpc --trials 5
+    python glue.py --ckpt out/ckpt.pt --tasks RTE,MRPC --trials 5
     python glue.py --ckpt out/ckpt.pt --random-init         # the "no pretraining" row
 """
-import argparse, json, math, os, time, zipfile
+import fcntl, json, math, os, time, zipfile
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import Parser, Progress, die, download, load_tokenizer, normalize
-from cram import ModelConfig, Crammed, load_checkpoint, load_model, pick_device
+from prepare import Parser, Progress, die, download, entry, load_tokenizer, normalize
+from cram import Crammed, load_checkpoint, load_model, pick_device
 
 # ----------------------------------------------------------------------------- the "sane" recipe
 LR = 4e-5            # peak AdamW learning rate
@@ -29,6 +29,10 @@ DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretrainin
 MAX_LEN = 128        # tokens per example with [CLS] and [SEP]s: the pretraining length
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
+LIMITS = {"epochs": (1, math.inf), "batch_size": (1, math.inf), "trials": (1, math.inf),
+          "seed": (0, 2 ** 32 - 1),  # a seed that every random generator accepts
+          "max_len": (4, math.inf),  # [CLS] a [SEP] b [SEP]; the top is the checkpoint's seq_len
+          "lr": (1e-9, 1)}  # above 0: a smaller step does not move an fp32 weight of ~0.02
 
 GLUE_URL = "https://dl.fbaipublicfiles.com/glue/data/{}.zip"
 MRPC_URL = "https://dl.fbaipublicfiles.com/senteval/senteval_data/msr_paraphrase_train.txt"
@@ -36,18 +40,16 @@ MRPC_DEV_IDS_URL = ("https://firebasestorage.googleapis.com/v0/b/mtl-sentence-re
                     ".appspot.com/o/data%2Fmrpc_dev_ids.tsv?alt=media&token="
                     "ec5c0836-31d5-48f4-b431-7480817f1adc")
 # task: (zip name, first text column, second text column, label column, labels; None = regression)
-TASKS = {
-    "CoLA": ("CoLA", "sentence", None, "label", ["0", "1"]),
-    "SST-2": ("SST-2", "sentence", None, "label", ["0", "1"]),
-    "MRPC": (None, "#1 String", "#2 String", "Quality", ["0", "1"]),
-    "STS-B": ("STS-B", "sentence1", "sentence2", "score", None),
-    "QQP": ("QQP-clean", "question1", "question2", "is_duplicate", ["0", "1"]),
-    "MNLI": ("MNLI", "sentence1", "sentence2", "gold_label",
-             ["entailment", "neutral", "contradiction"]),
-    "QNLI": ("QNLIv2", "question", "sentence", "label", ["entailment", "not_entailment"]),
-    "RTE": ("RTE", "sentence1", "sentence2", "label", ["entailment", "not_entailment"]),
-    "WNLI": ("WNLI", "sentence1", "sentence2", "label", ["0", "1"]),
-}
+TASKS = {"CoLA": ("CoLA", "sentence", None, "label", ["0", "1"]),
+         "SST-2": ("SST-2", "sentence", None, "label", ["0", "1"]),
+         "MRPC": (None, "#1 String", "#2 String", "Quality", ["0", "1"]),
+         "STS-B": ("STS-B", "sentence1", "sentence2", "score", None),
+         "QQP": ("QQP-clean", "question1", "question2", "is_duplicate", ["0", "1"]),
+         "MNLI": ("MNLI", "sentence1", "sentence2", "gold_label",
+                  ["entailment", "neutral", "contradiction"]),
+         "QNLI": ("QNLIv2", "question", "sentence", "label", ["entailment", "not_entailment"]),
+         "RTE": ("RTE", "sentence1", "sentence2", "label", ["entailment", "not_entailment"]),
+         "WNLI": ("WNLI", "sentence1", "sentence2", "label", ["0", "1"])}
 COLA_HEADER = ["source", "label", "original_label", "sentence"]  # CoLA's files have no header
 DEV = {t: {t: "dev.tsv"} for t in TASKS}  # {task: {dev split: file}}; MNLI has two
 DEV["MNLI"] = {"MNLI-m": "dev_matched.tsv", "MNLI-mm": "dev_mismatched.tsv"}
@@ -63,15 +65,6 @@ REFERENCE = {"BERT-base, fully trained": [83.2, 83.4, 91.9, 86.7, 59.2, 90.6, 87
              "crammed BERT v2 (best of 5)": [84.1, 84.6, 92.0, 87.4, 58.5, 90.2, 87.5, 88.9, 53.3]}
 
 
-def task_name(name):
-    """'sst2', 'SST-2', 'Sst-2' -> 'SST-2'."""
-    known = {t.lower().replace("-", ""): t for t in TASKS}
-    key = name.strip().lower().replace("-", "")
-    if key not in known:
-        die(f"unknown GLUE task {name!r}: choose from {','.join(known)}")
-    return known[key]
-
-
 # ----------------------------------------------------------------------------- data files
 def write_atomic(path, data):
     """Write beside path, then rename: a half-written file never looks complete."""
@@ -81,88 +74,68 @@ def write_atomic(path, data):
     os.replace(path + ".tmp", path)
 
 
-def fetch(url, path, folder, need):
-    try:
-        return download(url, path)
-    except SystemExit as e:  # say what a user without network access can do instead
-        die(f"{str(e.code).removeprefix('error: ')}; put that file at {path}, "
-            f"or {', '.join(need)} in {folder}")
-
-
-def build_mrpc(folder, need):
-    """GLUE builds MRPC itself: SentEval's train file, split into train/dev by dev id pairs."""
-    src = fetch(MRPC_URL, os.path.join(folder, "msr_paraphrase_train.txt"), folder, need)
-    ids = fetch(MRPC_DEV_IDS_URL, os.path.join(folder, "mrpc_dev_ids.tsv"), folder, need)
-    with open(ids, encoding="utf-8-sig") as f:
+def build_mrpc(folder):
+    """GLUE builds MRPC itself: SentEval's train file, split into train/dev by dev id pairs.
+    In bytes, as GLUE's script splits them: read_tsv then checks the text, naming the line."""
+    src = download(MRPC_URL, os.path.join(folder, "msr_paraphrase_train.txt"))
+    with open(download(MRPC_DEV_IDS_URL, os.path.join(folder, "mrpc_dev_ids.tsv")), "rb") as f:
         dev_ids = {tuple(line.split()) for line in f}
-    with open(src, encoding="utf-8") as f:  # the header keeps its BOM, as in GLUE's files
-        header = f.readline().rstrip("\r\n")
+    with open(src, "rb") as f:  # the header keeps its BOM, as in GLUE's files
+        header = f.readline().rstrip(b"\r\n")
         out = {"train.tsv": [header], "dev.tsv": [header]}
-        for n, line in enumerate(f, 2):
-            row = line.strip().split("\t")
-            if len(row) != 5:
-                die(f"{src}:{n}: expected 5 tab-separated columns, found {len(row)}")
-            out["dev.tsv" if (row[1], row[2]) in dev_ids else "train.tsv"].append("\t".join(row))
+        for line in f:  # quality, #1 id, #2 id, #1 string, #2 string
+            row = line.strip().split(b"\t")
+            out["dev.tsv" if tuple(row[1:3]) in dev_ids else "train.tsv"].append(b"\t".join(row))
     for name, lines in out.items():
-        write_atomic(os.path.join(folder, name), ("\n".join(lines) + "\n").encode())
+        write_atomic(os.path.join(folder, name), b"\n".join(lines) + b"\n")
+    return folder
 
 
 def ensure_task(task, glue_dir):
-    """The task's folder with train and dev tsv files in it, downloading them if missing."""
     folder = os.path.join(glue_dir, task)
     need = ["train.tsv", *DEV[task].values()]
     if all(os.path.exists(os.path.join(folder, f)) for f in need):
         return folder
     if task == "MRPC":
-        build_mrpc(folder, need)
-        return folder
-    zpath = os.path.join(glue_dir, TASKS[task][0] + ".zip")
-    fetch(GLUE_URL.format(TASKS[task][0]), zpath, folder, need)
+        return build_mrpc(folder)
+    zpath = download(GLUE_URL.format(TASKS[task][0]), os.path.join(glue_dir, task + ".zip"))
     try:
         with zipfile.ZipFile(zpath) as z:
-            # shallowest first, so that RTE/train.tsv wins over RTE/original/train.tsv
-            members = sorted(z.namelist(), key=lambda m: m.count("/"))
+            # deepest first, so that RTE/train.tsv overwrites RTE/original/train.tsv
+            members = sorted(z.namelist(), key=lambda m: m.count("/"), reverse=True)
+            found = {os.path.basename(m): m for m in members}
             for name in need:
-                found = [m for m in members if os.path.basename(m) == name]
-                if not found:
-                    die(f"{zpath} has no {name}")
-                write_atomic(os.path.join(folder, name), z.read(found[0]))
-    except zipfile.BadZipFile:
-        die(f"{zpath} is not a valid zip file; delete it and run again")
+                write_atomic(os.path.join(folder, name), z.read(found[name]))
+    except (zipfile.BadZipFile, KeyError) as e:
+        die(f"{zpath}: not a GLUE zip file ({type(e).__name__}: {e}); delete it, run again")
     os.remove(zpath)
     return folder
 
 
 def read_tsv(path, task):
-    """[(text a, text b or None, label)] from a GLUE tsv file, checking every row."""
+    """[(text a, text b or None, label)] from a GLUE tsv file: tab separated, no quoting, lines
+    split at \\n only (a stray \\r inside a text stays), MRPC's BOM dropped."""
     _, col_a, col_b, col_y, labels = TASKS[task]
-    if not os.path.exists(path):
-        die(f"missing GLUE file {path}")
-    rows = []
-    # tab separated, no quoting; utf-8-sig drops MRPC's BOM; newline="\n" keeps a stray \r
-    with open(path, encoding="utf-8-sig", newline="\n") as f:
-        header = COLA_HEADER if task == "CoLA" else f.readline().rstrip("\r\n").split("\t")
-        for c in (col_a, col_b, col_y):
-            if c and c not in header:
-                die(f"{path}:1: no column {c!r} in the header (is this GLUE {task}?)")
-        for n, line in enumerate(f, 1 if task == "CoLA" else 2):
-            fields = line.rstrip("\r\n").split("\t")
-            if fields == [""]:
-                continue  # a blank line
-            if len(fields) != len(header):
-                die(f"{path}:{n}: expected {len(header)} tab-separated columns, "
-                    f"found {len(fields)}")
-            row = dict(zip(header, fields))
-            y = row[col_y]
-            if labels is not None and y not in labels:
-                die(f"{path}:{n}: unknown label {y!r}, expected one of {', '.join(labels)}")
+    header, rows = (COLA_HEADER if task == "CoLA" else None), []
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
             try:
-                y = float(y) if labels is None else labels.index(y)
-            except ValueError:
-                die(f"{path}:{n}: {col_y} {y!r} is not a number")
-            rows.append((row[col_a], row[col_b] if col_b else None, y))
-    if not rows:
-        die(f"{path}: no examples")
+                fields = line.decode("utf-8-sig").rstrip("\r\n").split("\t")
+            except UnicodeDecodeError as e:
+                die(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start + 1})")
+            if header is None:
+                header = fields
+            elif fields != [""]:  # not a blank line
+                row = dict(zip(header, fields))
+                try:  # a short row, or the file of another task, lacks a column
+                    y = row[col_y]
+                    rows.append((row[col_a], row[col_b] if col_b else None,
+                                 float(y) if labels is None else labels.index(y)))
+                except KeyError as e:
+                    die(f"{path}:{n}: no {e.args[0]!r} column here (is this GLUE {task}?)")
+                except ValueError:
+                    wanted = "a number" if labels is None else "one of " + ", ".join(labels)
+                    die(f"{path}:{n}: unknown label {y!r}, expected {wanted}")
     return rows
 
 
@@ -225,7 +198,7 @@ mcc = pearson  # for 0/1 labels Matthews' coefficient is exactly Pearson's r
 
 
 def ranks(a):
-    """1-based ranks, ties sharing their average rank."""
+    """1-based ranks, ties sharing their average rank: [10, 20, 20, 5] -> [2, 3.5, 3.5, 1]."""
     _, inv, counts = np.unique(a, return_inverse=True, return_counts=True)
     return (np.cumsum(counts) - (counts - 1) / 2)[inv]
 
@@ -257,10 +230,9 @@ class Classifier(nn.Module):
 
     def forward(self, idx, mask):
         hidden = self.encoder(idx, mask)  # (B, T, width)
-        if self.pool == "first":
-            return self.head(self.pooler(hidden[:, 0])).float()
         real = mask[..., None].to(hidden.dtype)  # (B, T, 1): padding does not count
-        return self.head(self.pooler((hidden * real).sum(1) / real.sum(1))).float()
+        pooled = hidden[:, 0] if self.pool == "first" else (hidden * real).sum(1) / real.sum(1)
+        return self.head(self.pooler(pooled)).float()
 
 
 def learning_rate(step, total, peak):
@@ -272,13 +244,11 @@ def learning_rate(step, total, peak):
 
 def finetune(ckpt, task, train, devs, args, trial, device, pad):
     """Fine-tune a fresh copy of the checkpoint on one task; {dev split: {metric: value}}."""
-    torch.manual_seed(args.seed + trial)
-    shuffle = torch.Generator().manual_seed(args.seed + trial)
+    torch.manual_seed(args.seed + trial)  # the model's head, dropout and the order of examples
     labels = TASKS[task][4]
+    encoder = load_model(ckpt, args.ckpt, dropout=DROPOUT)
     if args.random_init:  # the same model from random weights: the "no pretraining" row
-        encoder = Crammed(ModelConfig(**{**ckpt["model_config"], "dropout": DROPOUT}))
-    else:
-        encoder = load_model(ckpt, args.ckpt, dropout=DROPOUT)
+        encoder = Crammed(encoder.config)
     model = Classifier(encoder, 1 if labels is None else len(labels), args.pool).to(device)
     # bf16 needs no loss scaling; on the CPU autocast is off and everything stays fp32
     amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -287,27 +257,22 @@ def finetune(ckpt, task, train, devs, args, trial, device, pad):
     n = len(train[0])
     per_epoch = math.ceil(n / args.batch_size)
     progress = Progress(f"{task} trial {trial + 1}/{args.trials}", args.epochs * n, "ex")
-    step = seen = 0
     for epoch in range(args.epochs):
         loss_sum = torch.zeros((), device=device)  # summed on the device: no sync every step
-        order = torch.randperm(n, generator=shuffle)
-        for i, (x, mask, y) in enumerate(batches(*train, order, args.batch_size, pad, device), 1):
-            lr = learning_rate(step, args.epochs * per_epoch, args.lr)
-            for g in opt.param_groups:
-                g["lr"] = lr
+        for i, (x, mask, y) in enumerate(
+                batches(*train, torch.randperm(n), args.batch_size, pad, device), 1):
+            lr = learning_rate(epoch * per_epoch + i - 1, args.epochs * per_epoch, args.lr)
+            opt.param_groups[0]["lr"] = lr
             with torch.autocast(**amp):
                 out = model(x, mask)
             loss = F.mse_loss(out[:, 0], y.float()) if labels is None else F.cross_entropy(out, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            step += 1
-            seen += len(y)
             loss_sum += loss.detach()
             if i == per_epoch or time.time() - progress.last >= progress.every:
-                mean = loss_sum.item() / i
-                extra = f" | epoch {epoch + 1}/{args.epochs} | loss {mean:.4f} | lr {lr:.2e}"
-                progress(seen, extra, force=True)
+                extra = f" | epoch {epoch + 1}/{args.epochs} | loss {loss_sum.item() / i:.4f}"
+                progress(epoch * n + min(i * args.batch_size, n), f"{extra} | lr {lr:.2e}", True)
     model.eval()
     results = {}
     with torch.no_grad(), torch.autocast(**amp):
@@ -330,51 +295,49 @@ def glue_score(results):
 def print_table(name, results):
     """Our row and the paper's, the nine numbers in COLUMNS order (-: not run), then GLUE."""
     avg, over = glue_score(results)
-    ours = [results[s][m] if s in results else None for s, m in COLUMNS] + [avg]
-    rows = [(name, ours)] + [(label, v + [np.mean(v)]) for label, v in REFERENCE.items()]
-    names = [s for s, _ in COLUMNS[2:]] + ["GLUE"]
-    print(f"\n{'model':30s} {'MNLI m/mm':>11s} " + " ".join(f"{s:>6s}" for s in names))
-    for label, values in rows:
-        cells = ["-" if v is None else f"{v:.1f}" for v in values]
-        rest = " ".join(f"{c:>6s}" for c in cells[2:])
-        print(f"{label:30s} {cells[0] + '/' + cells[1]:>11s} {rest}")
+    rows = {name: [results[s][m] if s in results else None for s, m in COLUMNS] + [avg]}
+    rows.update({label: v + [np.mean(v)] for label, v in REFERENCE.items()})
+    print(f"\n{'model':29s}" + "".join(f"{s:>8s}" for s, _ in COLUMNS) + "    GLUE")
+    for label, values in rows.items():
+        print(f"{label:29s}" + "".join("       -" if v is None else f"{v:8.1f}" for v in values))
     if 0 < len(over) < len(COLUMNS):
         print(f"note: the GLUE score here is the mean over {', '.join(over)} only")
 
 
-def load_results(path):
-    """(results, trials, settings) of earlier runs in path, so that no finished task is lost."""
-    if not os.path.exists(path):
-        return {}, {}, {}
+def save(path, mine):
+    """Merge this run's finished tasks into the results file, read again under a lock so that
+    another glue.py that saved meanwhile keeps its tasks; with none finished, only check it."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-        results = {s: data[s] for t in TASKS for s in DEV[t] if s in data}
-        glue_score(results)  # every number the table needs is there
-        return results, dict(data.get("trials", {})), dict(data.get("settings", {}))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        die(f"{path}: not a glue.py results file ({type(e).__name__}); move it aside to start anew")
-
-
-def save(path, results, trials, settings):
-    """Rewritten after every task, so a long run keeps what it has finished."""
-    avg, over = glue_score(results)
-    data = {**results, "average": avg, "average_over": over, "trials": trials, "settings": settings}
-    try:
-        write_atomic(path, json.dumps(data, indent=1).encode())
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock = open(path + ".lock", "w")
     except OSError as e:
         die(f"{e.filename or path}: cannot write the results there ({e.strerror})")
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another run saves; released at close
+        data = {"results": {}, "trials": {}, "settings": {}}
+        try:
+            if os.path.exists(path):
+                with open(path) as f:
+                    data = json.load(f)
+            for key, value in mine.items():
+                data[key].update(value)  # a rerun of a task replaces that task only
+            data["average"], data["average_over"] = glue_score(data["results"])
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            die(f"{path}: not a glue.py results file ({type(e).__name__}); move it aside")
+        if mine["results"]:
+            write_atomic(path, json.dumps(data, indent=1).encode())
+    return data
 
 
 # ----------------------------------------------------------------------------- main
 def get_args(argv):
-    ap = Parser(__doc__, {})
+    ap = Parser(__doc__, LIMITS)
     arg = ap.add_argument
     arg("--ckpt", required=True, help="cram checkpoint to fine-tune")
     arg("--out", help="results file (default: glue.json next to the checkpoint)")
     arg("--glue-dir", default="data/glue", help="GLUE task folders (default: %(default)s)")
-    arg("--tasks", default="cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte",
-        help="comma-separated, any case; wnli too (default: %(default)s)")
+    arg("--tasks", default="CoLA,SST-2,MRPC,STS-B,QQP,MNLI,QNLI,RTE",
+        help="comma-separated, any case; WNLI too (default: %(default)s)")
     arg("--epochs", type=int, default=EPOCHS, help="per task (default: %(default)s)")
     arg("--lr", type=float, default=LR, help="peak AdamW lr (default: %(default)s)")
     arg("--batch-size", type=int, default=BATCH_SIZE, help="(default: %(default)s)")
@@ -386,48 +349,35 @@ def get_args(argv):
     arg("--pool", choices=["first", "mean"], default="first", help="first token (the recipe) or "
         "the mean (for the CPU demo's ALiBi model, whose first token sees only its neighbours)")
     args = ap.parse_args(argv)
-    checks = [("epochs", args.epochs >= 1, "at least 1"),
-              ("lr", 0 < args.lr <= 1, "above 0 and at most 1"),
-              ("batch-size", args.batch_size >= 1, "at least 1"),
-              ("trials", args.trials >= 1, "at least 1"),
-              ("seed", 0 <= args.seed < 2 ** 32, "from 0 to 2**32 - 1"),
-              ("max-len", args.max_len >= 4, "at least 4")]  # [CLS] a [SEP] b [SEP]
-    for flag, ok, allowed in checks:
-        if not ok:
-            die(f"--{flag} {getattr(args, flag.replace('-', '_'))}: must be {allowed}")
-    args.tasks = list(dict.fromkeys(task_name(t) for t in args.tasks.split(",") if t.strip()))
-    if not args.tasks:
-        die("--tasks: name at least one task")
+    known = {t.lower(): t for t in TASKS}  # any case: sst-2, SST-2 and Sst-2 are SST-2
+    asked = [t.strip().lower() for t in args.tasks.split(",") if t.strip()]
+    if not asked or not set(asked) <= set(known):
+        die(f"--tasks {args.tasks}: name one or more of {','.join(TASKS)}")
+    args.tasks = list(dict.fromkeys(known[t] for t in asked))
     name = "glue-random-init.json" if args.random_init else "glue.json"
     args.out = os.path.abspath(args.out or os.path.join(os.path.dirname(args.ckpt), name))
     return args
 
 
+@entry
 def main(argv=None):
     args = get_args(argv)
     ckpt = load_checkpoint(args.ckpt)
     seq_len = ckpt["model_config"]["seq_len"]
     if args.max_len > seq_len:  # the model has no position embedding beyond that
-        die(f"--max-len {args.max_len}: must be from 4 to {seq_len}, the checkpoint's length")
+        die(f"--max-len {args.max_len}: must be at most {seq_len}, the checkpoint's seq_len")
     device = pick_device(args.device)
-    results, trials, settings = load_results(args.out)
-    save(args.out + ".probe", results, trials, settings)  # unwritable? fail now, not hours later
-    os.remove(args.out + ".probe")
+    mine = {"results": {}, "trials": {}, "settings": {}}  # this run's finished tasks
+    save(args.out, mine)  # a results file that cannot be read or written fails now
     data = {}
     for task in args.tasks:  # every file first: a bad one should fail now, not hours into the run
-        print(f"{task}: reading its files in {args.glue_dir}", flush=True)
-        try:
-            folder = ensure_task(task, args.glue_dir)
-        except OSError as e:
-            die(f"{e.filename or args.glue_dir}: {e.strerror}")
+        folder = ensure_task(task, args.glue_dir)
         data[task] = {s: read_tsv(os.path.join(folder, f), task)
                       for s, f in {"train": "train.tsv", **DEV[task]}.items()}
-    enc = load_tokenizer(ckpt["tokenizer"])
-    specials = ckpt["tokenizer"]["special_tokens"]
+    enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
+    results, trials = mine["results"], mine["trials"]
     for task in args.tasks:
-        print(f"{task}: encoding {sum(map(len, data[task].values())):,} examples", flush=True)
-        splits = {s: encode(enc, specials, rows, args.max_len)
-                  for s, rows in data.pop(task).items()}
+        splits = {s: encode(enc, specials, r, args.max_len) for s, r in data.pop(task).items()}
         train = splits.pop("train")
         runs = [finetune(ckpt, task, train, splits, args, k, device, specials["[PAD]"])
                 for k in range(args.trials)]
@@ -435,14 +385,13 @@ def main(argv=None):
             trials[split] = [r[split] for r in runs]
             results[split] = {m: float(np.median([r[m] for r in trials[split]]))
                               for m in runs[0][split]}
-            shown = ", ".join(f"{m} {v:.2f}" for m, v in results[split].items())
-            print(f"{split}: {shown}", flush=True)
-        settings[task] = {k: v for k, v in vars(args).items() if k != "tasks"}
-        save(args.out, results, trials, settings)
+            print(f"{split}: " + ", ".join(f"{m} {v:.2f}" for m, v in results[split].items()))
+        mine["settings"][task] = {k: v for k, v in vars(args).items() if k != "tasks"}
+        saved = save(args.out, mine)  # after every task: a long run keeps what it finished
     name = os.path.basename(args.ckpt)
-    print_table(f"random init ({name})" if args.random_init else name, results)
+    print_table(f"random init ({name})" if args.random_init else name, saved["results"])
     print(f"wrote {args.out}")
-    return results
+    return saved["results"]
 
 
 if __name__ == "__main__":

@@ -856,25 +856,29 @@ def test_glue_parsers_read_every_task_format(tmp_path):
     assert rd("QNLI") == [("When did the third Digimon series begin?", "Unlike the two seasons before it.", 1)]
     assert rd("RTE", "dev.tsv") == [("Dana Reeve has died.", "Dana Reeve is dead.", 0)]
     assert rd("WNLI") == [("I stuck a pin through a carrot.", "The carrot had a hole.", 1)]
-    assert [glue.task_name(t) for t in ["cola", "SST-2", "sst2", "Mrpc", "sts-b", "QQP", "mnli", "qnli", "RTE", "wnli"]] == \
-        ["CoLA", "SST-2", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE", "WNLI"]
+    tasks = "cola,SST-2,Sst-2,Mrpc,sts-b, QQP ,mnli,qnli,RTE,wnli"  # any case; a repeat counts once
+    assert glue.get_args(["--ckpt", "c.pt", "--tasks", tasks]).tasks == list(glue.TASKS)
+    assert glue.get_args(["--ckpt", "c.pt"]).tasks == [t for t in glue.TASKS if t != "WNLI"]
 
 
 def test_glue_bad_input_names_file_and_line(tmp_path):
     path = str(tmp_path / "train.tsv")
-    cases = [("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\ta\tb\n", ":3: expected 4 tab-separated columns, found 3"),
-             ("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tyes\n", ":2: unknown label 'yes'"),
-             ("STS-B", FIXTURES["STS-B"]["train.tsv"].replace("3.800", "high"), ":3: score 'high' is not a number"),
-             ("CoLA", "gj04\t1\t\tfine.\ngj04\t1\t\ttoo\tmany\n", ":2: expected 4"),
-             ("QNLI", "index\tsentence1\tsentence2\tlabel\n", ":1: no column 'question'")]
+    cases = [("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tyes\n",
+              ":2: unknown label 'yes', expected one of entailment, not_entailment$"),
+             ("STS-B", FIXTURES["STS-B"]["train.tsv"].replace("3.800", "high"), ":3: unknown label 'high', expected a number$"),
+             ("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\ta\tb\n", ":3: no 'label' column here"),
+             ("QNLI", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n", ":2: no 'question' column here")]
     for task, text, msg in cases:
         write_files(tmp_path, {"train.tsv": text})
-        with pytest.raises(SystemExit, match="error: " + path + msg):
+        with pytest.raises(SystemExit, match="^error: " + path + msg):
             glue.read_tsv(path, task)
-    with pytest.raises(SystemExit, match="missing GLUE file .*nope.tsv"):
-        glue.read_tsv(str(tmp_path / "nope.tsv"), "RTE")
-    with pytest.raises(SystemExit, match="unknown GLUE task 'mnli-m'"):
-        glue.task_name("mnli-m")
+    with open(path, "wb") as f:  # Latin-1 on line 3
+        f.write(b"index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\tcaf\xe9\tb\tentailment\n")
+    with pytest.raises(SystemExit, match="^error: " + path + r":3: not UTF-8 text \(invalid continuation byte at byte 6\)$"):
+        glue.read_tsv(path, "RTE")
+    for tasks in ["mnli-m", "sst2", "rte,nope", ","]:  # no aliases beyond the case
+        with pytest.raises(SystemExit, match=f"^error: --tasks {tasks}: name one or more of CoLA,SST-2,"):
+            glue.get_args(["--ckpt", "c.pt", "--tasks", tasks])
 
 
 def test_glue_metrics_against_hand_computed_values():
@@ -914,7 +918,7 @@ def test_glue_download_unzips_and_builds_mrpc(tmp_path, http_server, monkeypatch
         for name, text in FIXTURES["RTE"].items():
             z.writestr(f"RTE/{name}", text)
         z.writestr("RTE/test.tsv", "index\tsentence1\tsentence2\n")
-        z.writestr("RTE/original/train.tsv", "not this one\n")
+        z.writestr("RTE/original/train.tsv", "not this one\n")  # last: the shallower one must still win
     h.FILES["/RTE.zip"] = buf.getvalue()
     lines = ["\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String", "1\t702876\t702977\tAmrozi accused .\tReferring to him .",
              "0\t1355540\t1355592\tHe said .\tHe did .", "1\t2108705\t2108831\tYucaipa owned .\tYucaipa bought ."]
@@ -935,10 +939,17 @@ def test_glue_download_unzips_and_builds_mrpc(tmp_path, http_server, monkeypatch
     assert [r[2] for r in glue.read_tsv(os.path.join(folder, "train.tsv"), "MRPC")] == [1, 1]
     del h.FILES["/RTE.zip"]
     assert glue.ensure_task("RTE", glue_dir) == folder.replace("MRPC", "RTE")  # present: no network needed
-    with pytest.raises(SystemExit, match=r"HTTP 404.*CoLA.zip.*train.tsv, dev.tsv in .*glue/CoLA"):
+    with pytest.raises(SystemExit, match=r"^error: download failed: \S*/CoLA.zip: HTTP 404$"):
         glue.ensure_task("CoLA", glue_dir)
     h.FILES["/STS-B.zip"] = b"<html>not a zip</html>"
-    with pytest.raises(SystemExit, match=r"STS-B.zip is not a valid zip file"):
+    with pytest.raises(SystemExit, match=r"STS-B.zip: not a GLUE zip file \(BadZipFile"):
+        glue.ensure_task("STS-B", glue_dir)
+    os.remove(os.path.join(glue_dir, "STS-B.zip"))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("STS-B/train.tsv", FIXTURES["STS-B"]["train.tsv"])
+    h.FILES["/STS-B.zip"] = buf.getvalue()
+    with pytest.raises(SystemExit, match=r"STS-B.zip: not a GLUE zip file \(KeyError: 'dev.tsv'\)"):
         glue.ensure_task("STS-B", glue_dir)
 
 
@@ -954,8 +965,6 @@ def make_ckpt(path):
     torch.manual_seed(0)
     torch.save({"format": "cram-ckpt-1", "model_config": asdict(cfg), "model": Crammed(cfg).state_dict(),
                 "tokenizer": tokenizer()}, path)
-
-
 
 
 def test_glue_finetune_learns_a_synthetic_task(tmp_path, capsys, one_thread):
@@ -975,22 +984,21 @@ def test_glue_finetune_learns_a_synthetic_task(tmp_path, capsys, one_thread):
     ckpt = str(tmp_path / "ckpt.pt")
     make_ckpt(ckpt)
     common = ["--ckpt", ckpt, "--glue-dir", str(tmp_path / "glue"), "--device", "cpu", "--max-len", "64"]
-    res = glue.main(common + ["--tasks", "sst2", "--epochs", "5", "--lr", "1e-3"])
+    res = glue.main(common + ["--tasks", "sst-2", "--epochs", "5", "--lr", "1e-3"])
     assert res["SST-2"]["accuracy"] > 90
     saved = json.load(open(tmp_path / "glue.json"))
-    assert saved["SST-2"]["accuracy"] == res["SST-2"]["accuracy"] and saved["average_over"] == ["SST-2"]
+    assert saved["results"]["SST-2"]["accuracy"] == res["SST-2"]["accuracy"] and saved["average_over"] == ["SST-2"]
     cap = capsys.readouterr()  # progress lines go to stderr (prepare.Progress), the table to stdout
     assert "SST-2 trial 1/1: " in cap.err and "epoch 5/5" in cap.err and "ex/s" in cap.err and "ETA" in cap.err
-    assert "crammed BERT v1" in cap.out
+    assert "loss " in cap.err and "crammed BERT v1" in cap.out
     res = glue.main(common + ["--tasks", "rte", "--epochs", "1", "--trials", "2", "--random-init"])
     assert set(json.load(open(tmp_path / "glue-random-init.json"))["trials"]["RTE"][1]) == {"accuracy"}
-    with pytest.raises(SystemExit, match="--max-len 65: must be from 4 to 64"):
+    with pytest.raises(SystemExit, match="^error: --max-len 65: must be at most 64, the checkpoint's seq_len$"):
         glue.main(common[:-1] + ["65", "--tasks", "rte"])
     with open(ckpt, "wb") as f:
         f.write(b"not a checkpoint")
     with pytest.raises(SystemExit, match=f"error: {ckpt}: corrupt"):
         glue.main(common + ["--tasks", "rte"])
-
 
 
 # ----------------------------------------------------------------------------- nothing lost, no traceback
@@ -1022,18 +1030,58 @@ def test_glue_json_merges_runs(glue_run):
     run("--tasks", "wnli")
     run("--tasks", "rte", "--seed", "3")
     saved = json.load(open(tmp / "glue.json"))
-    assert saved["WNLI"] == {"accuracy": 1.0} and saved["RTE"] == {"accuracy": 2.0}  # both kept
+    assert saved["results"] == {"WNLI": {"accuracy": 1.0}, "RTE": {"accuracy": 2.0}}  # both kept
     assert saved["average"] == 2.0 and saved["average_over"] == ["RTE"]  # WNLI is not in the score
     assert saved["settings"]["WNLI"]["seed"] == 0 and saved["settings"]["RTE"]["seed"] == 3
     run("--tasks", "rte", "--trials", "2")  # a rerun replaces RTE only
     saved = json.load(open(tmp / "glue.json"))
-    assert saved["WNLI"] == {"accuracy": 1.0} and saved["RTE"] == {"accuracy": 3.5}  # median of 3, 4
+    assert saved["results"] == {"WNLI": {"accuracy": 1.0}, "RTE": {"accuracy": 3.5}}  # median of 3, 4
     assert saved["trials"]["RTE"] == [{"accuracy": 3.0}, {"accuracy": 4.0}] and saved["trials"]["WNLI"]
     assert saved["average"] == 3.5 and calls == ["WNLI", "RTE", "RTE", "RTE"]
-    (tmp / "glue.json").write_text('{"RTE": {"accuracy": 5')  # corrupt: a clear error, the file untouched
-    with pytest.raises(SystemExit, match=r"^error: \S*glue.json: not a glue.py results file.*move it aside to start anew$"):
-        run("--tasks", "wnli")
-    assert (tmp / "glue.json").read_text() == '{"RTE": {"accuracy": 5' and len(calls) == 4
+    for bad in ['{"results": {"RTE": {"accuracy": 5', '[]', '{"results": {"RTE": 5}}', '{"results": {}}']:
+        (tmp / "glue.json").write_text(bad)  # corrupt: a clear error before any fine-tuning, the file untouched
+        with pytest.raises(SystemExit, match=r"^error: \S*glue.json: not a glue.py results file \(\w+\); move it aside$"):
+            run("--tasks", "wnli")
+        assert (tmp / "glue.json").read_text() == bad and len(calls) == 4
+
+
+def test_glue_runs_at_once_keep_both_tasks(glue_run, monkeypatch):
+    import fcntl
+    run, calls, tmp = glue_run
+    fake = glue.finetune
+
+    def finetune(ckpt, task, *rest):  # while this run fine-tunes WNLI, a second run saves RTE
+        if task == "WNLI":
+            run("--tasks", "rte")
+        return fake(ckpt, task, *rest)
+    monkeypatch.setattr(glue, "finetune", finetune)
+    run("--tasks", "wnli")  # started (and read glue.json) before the other run saved
+    assert json.load(open(tmp / "glue.json"))["results"] == {"RTE": {"accuracy": 1.0}, "WNLI": {"accuracy": 2.0}}
+    with open(tmp / "glue.json.lock", "w") as lock:  # a save waits while another one holds the lock
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        other = threading.Thread(target=run, args=("--tasks", "rte", "--seed", "7"))
+        other.start()
+        other.join(0.5)
+        assert other.is_alive()
+    other.join()
+    saved = json.load(open(tmp / "glue.json"))
+    assert saved["settings"]["RTE"]["seed"] == 7 and saved["results"]["WNLI"] == {"accuracy": 2.0}
+
+
+def test_glue_ctrl_c_exits_130_and_keeps_glue_json(glue_run, monkeypatch, capsys):
+    run, calls, tmp = glue_run
+    run("--tasks", "wnli")
+    before = (tmp / "glue.json").read_bytes()
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    for name in ("finetune", "read_tsv"):  # while fine-tuning, and while reading the files
+        monkeypatch.setattr(glue, name, interrupted)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit:
+            run("--tasks", "rte")
+        assert exit.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
+        assert (tmp / "glue.json").read_bytes() == before
 
 
 def test_glue_checks_every_file_before_fine_tuning(glue_run, capsys):
@@ -1042,6 +1090,11 @@ def test_glue_checks_every_file_before_fine_tuning(glue_run, capsys):
     with pytest.raises(SystemExit, match=r"WNLI/dev.tsv:2: unknown label '7'"):
         run("--tasks", "rte,wnli")
     assert calls == [] and not os.path.exists(tmp / "glue.json") and "trial" not in capsys.readouterr().err
+    os.remove(tmp / "glue" / "RTE" / "dev.tsv")
+    os.mkdir(tmp / "glue" / "RTE" / "dev.tsv")  # a file that cannot be read, even by root
+    with pytest.raises(SystemExit, match=r"^error: \S*RTE/dev.tsv: Is a directory$"):
+        run("--tasks", "rte")
+    assert calls == []
 
 
 def test_glue_unwritable_output_fails_up_front(glue_run, tmp_path):
@@ -1054,7 +1107,7 @@ def test_glue_unwritable_output_fails_up_front(glue_run, tmp_path):
     ro.chmod(0o555)
     try:
         if not os.access(ro, os.W_OK):  # root writes anyway: then the case above is the check
-            with pytest.raises(SystemExit, match=r"read-only/glue.json.probe.tmp: cannot write the results there"):
+            with pytest.raises(SystemExit, match=r"read-only/glue.json.lock: cannot write the results there"):
                 run("--tasks", "rte", "--out", str(ro / "glue.json"))
     finally:
         ro.chmod(0o755)
@@ -1063,23 +1116,24 @@ def test_glue_unwritable_output_fails_up_front(glue_run, tmp_path):
 
 def test_glue_flags_out_of_range(glue_run):
     run, calls, _ = glue_run
-    for flags, msg in [(["--epochs", "0"], "--epochs 0: must be at least 1"),
-                       (["--lr", "0"], "--lr 0.0: must be above 0 and at most 1"),
-                       (["--lr", "nan"], "--lr nan: must be above 0"), (["--lr", "2"], "--lr 2.0: must be"),
-                       (["--batch-size", "-1"], "--batch-size -1: must be at least 1"),
-                       (["--trials", "0"], "--trials 0: must be at least 1"),
-                       (["--seed", "-1"], r"--seed -1: must be from 0 to 2\*\*32 - 1"),
-                       (["--max-len", "3"], "--max-len 3: must be at least 4"),
-                       (["--max-len", "65"], "--max-len 65: must be from 4 to 64"),
-                       (["--tasks", ","], "--tasks: name at least one task"),
+    for flags, msg in [(["--epochs", "0"], "--epochs 0: must be in 1..inf"),
+                       (["--lr", "0"], "--lr 0.0: must be in 1e-09..1"),
+                       (["--lr", "nan"], "--lr nan: must be in"), (["--lr", "2"], "--lr 2.0: must be in"),
+                       (["--batch-size", "-1"], "--batch-size -1: must be in 1..inf"),
+                       (["--trials", "0"], "--trials 0: must be in 1..inf"),
+                       (["--seed", "-1"], r"--seed -1: must be in 0\.\."),
+                       (["--seed", str(2 ** 64)], f"--seed {2 ** 64}: must be in 0\\.\\."),
+                       (["--max-len", "3"], "--max-len 3: must be in 4..inf"),
+                       (["--max-len", "65"], "--max-len 65: must be at most 64"),
                        (["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),
+                       (["--device", ""], "--device: empty$"), (["--out", ""], "--out: empty$"),
                        (["--device", "nope"], "--device nope: .*device string: nope$")]:
         with pytest.raises(SystemExit, match="^error: " + msg):
             run("--tasks", "rte", *flags)
     assert calls == []
     r = subprocess.run([sys.executable, os.path.join(HERE, "glue.py"), "--ckpt", "x.pt", "--epochs", "0"],
                        capture_output=True, text=True)
-    assert r.returncode == 1 and r.stderr == "error: --epochs 0: must be at least 1\n"  # one line, no traceback
+    assert r.returncode == 1 and r.stderr == "error: --epochs 0: must be in 1..inf\n"  # one line, no traceback
 
 
 def test_glue_head_help_and_truncation_example(capsys):
@@ -1098,6 +1152,8 @@ def test_glue_head_help_and_truncation_example(capsys):
     def cut(a, b, room):  # the worked example of truncate's docstring, in lengths
         return tuple(map(len, glue.truncate(list(range(a)), list(range(b)), room)))
     assert cut(100, 60, 125) == (65, 60) and cut(100, 90, 125) == (63, 62) and cut(200, 0, 126) == (126, 0)
+    # the schedule: 10% linear warm-up to the peak, then cosine down to zero
+    assert [glue.learning_rate(s, 20, 1.0) for s in (0, 1, 2)] == [0.0, 0.5, 1.0] and glue.learning_rate(11, 20, 1.0) == pytest.approx(0.5)
 
 
 def test_glue_mean_pooling_ignores_padding():
