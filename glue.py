@@ -215,12 +215,11 @@ def score(task, p, y):
 
 # ----------------------------------------------------------------------------- fine-tuning
 class Classifier(nn.Module):
-    """The crammed encoder, v2's pooler on the first token ([CLS], "zero_index") or on the mean
-    of the real tokens ("avg", the v2 architecture's own default), and a linear head."""
+    """The crammed encoder, v2's pooler on the first token ([CLS], "zero_index"), a linear head."""
 
-    def __init__(self, encoder, n_out, pool="first"):
+    def __init__(self, encoder, n_out):
         super().__init__()
-        self.encoder, self.pool = encoder, pool
+        self.encoder = encoder
         width = encoder.config.width
         self.pooler = nn.Sequential(nn.Linear(width, HEAD_DIM), nn.Tanh(), nn.Dropout(DROPOUT))
         self.head = nn.Linear(HEAD_DIM, n_out)
@@ -230,9 +229,7 @@ class Classifier(nn.Module):
 
     def forward(self, idx, mask):
         hidden = self.encoder(idx, mask)  # (B, T, width)
-        real = mask[..., None].to(hidden.dtype)  # (B, T, 1): padding does not count
-        pooled = hidden[:, 0] if self.pool == "first" else (hidden * real).sum(1) / real.sum(1)
-        return self.head(self.pooler(pooled)).float()
+        return self.head(self.pooler(hidden[:, 0])).float()
 
 
 def learning_rate(step, total, peak):
@@ -249,7 +246,7 @@ def finetune(ckpt, task, train, devs, args, trial, device, pad):
     encoder = load_model(ckpt, args.ckpt, dropout=DROPOUT)
     if args.random_init:  # the same model from random weights: the "no pretraining" row
         encoder = Crammed(encoder.config)
-    model = Classifier(encoder, 1 if labels is None else len(labels), args.pool).to(device)
+    model = Classifier(encoder, 1 if labels is None else len(labels)).to(device)
     # bf16 needs no loss scaling; on the CPU autocast is off and everything stays fp32
     amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS,
@@ -346,8 +343,6 @@ def get_args(argv):
     arg("--max-len", type=int, default=MAX_LEN, help="tokens per example (default: %(default)s)")
     arg("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
     arg("--random-init", action="store_true", help="no pretraining; into glue-random-init.json")
-    arg("--pool", choices=["first", "mean"], default="first", help="first token (the recipe) or "
-        "the mean (for the CPU demo's ALiBi model, whose first token sees only its neighbours)")
     args = ap.parse_args(argv)
     known = {t.lower(): t for t in TASKS}  # any case: sst-2, SST-2 and Sst-2 are SST-2
     asked = [t.strip().lower() for t in args.tasks.split(",") if t.strip()]

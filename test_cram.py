@@ -1156,16 +1156,6 @@ def test_glue_head_help_and_truncation_example(capsys):
     assert [glue.learning_rate(s, 20, 1.0) for s in (0, 1, 2)] == [0.0, 0.5, 1.0] and glue.learning_rate(11, 20, 1.0) == pytest.approx(0.5)
 
 
-def test_glue_mean_pooling_ignores_padding():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=260, seq_len=16, layers=1, width=32, heads=2, ffn=64)
-    model = glue.Classifier(Crammed(cfg), 2, pool="mean").eval()
-    x = torch.randint(0, 256, (1, 8))
-    padded = torch.cat([x, torch.full((1, 4), 256)], 1)
-    mask = torch.arange(12)[None] < 8
-    assert torch.allclose(model(padded, mask), model(x, torch.ones(1, 8, dtype=torch.bool)), atol=1e-5)
-
-
 def test_a_gpu_the_machine_lacks_is_one_line():
     missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU, on any machine
     with pytest.raises(SystemExit, match=f"--device {missing}: this machine has"):
