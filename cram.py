@@ -329,22 +329,19 @@ def save_checkpoint(path, ckpt):
 
 
 def check_data(ckpt, meta, tok, path, data):
-    """A checkpoint reads only data of its own vocabulary, row length and tokenizer."""
-    mc = ckpt["model_config"]
-    if (mc["vocab_size"], mc["seq_len"]) != (meta["vocab_size"], meta["seq_len"]):
-        die(f"{path}: vocab {mc['vocab_size']} / seq len {mc['seq_len']} do not match {data} "
-            f"({meta['vocab_size']} / {meta['seq_len']})")
-    if ckpt["tokenizer"]["ranks"] != tok["ranks"]:
-        die(f"{path}: trained with another tokenizer than {data}; prepare it with --tokenizer")
+    """A checkpoint reads only data of its own tokenizer (hence vocabulary) and row length."""
+    seq_len = ckpt["model_config"]["seq_len"]
+    if ckpt["tokenizer"]["ranks"] != tok["ranks"] or seq_len != meta["seq_len"]:
+        die(f"{path}: trained with another tokenizer or row length than {data}; prepare it "
+            f"with --tokenizer")
 
 
 # ----------------------------------------------------------------------------- arguments
-LIMITS = {"time": (1e-3, 1e9), "steps": (1, 1e15), "layers": (1, 1e15), "width": (1, 1e15),
-          "heads": (1, 1e15), "ffn": (2, 1e15), "alibi": (0, 1e3), "micro_batch": (1, 1e15),
-          "batch_size": (1, 1e15), "lr": (1e-9, 1), "seed": (0, 2 ** 32 - 1),
-          "log_every": (0, 1e9), "eval_every": (0, 1e9), "eval_rows": (1, 1e15),
-          "save_every": (1e-3, 1e9), "bench_steps": (1, 1e6), "vocab_size": (5, 65536),
-          "peak_tflops": (1e-3, 1e6)}
+ANY = (0, math.inf)  # finite and not negative
+LIMITS = {"lr": (1e-9, 1), "seed": (0, 2 ** 32 - 1), "vocab_size": (5, 65536), "ffn": (2, math.inf),
+          "time": (1e-3, math.inf), "alibi": ANY, "log_every": ANY, "eval_every": ANY,
+          **dict.fromkeys(["steps", "layers", "width", "heads", "micro_batch", "batch_size",
+                           "eval_rows", "save_every", "bench_steps", "peak_tflops"], (1, math.inf))}
 RUN = ["layers", "width", "heads", "ffn", "alibi", "time", "steps", "micro_batch", "batch_size",
        "lr", "seed"]  # what a run is: --resume takes them from the checkpoint
 
