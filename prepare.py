@@ -215,35 +215,27 @@ def input_files(paths):
     return files
 
 
-def documents(path):
-    """(is_json, raw bytes) of each document of one file: a .json* line, or a blank-line
-    separated .txt paragraph; the workers decode them. A corrupt file stops the run."""
-    is_json, para = ".json" in os.path.basename(path), []
-    with open(path, "rb") as raw:
-        f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
-        try:
-            for line in itertools.chain(f, [b""]):  # b"": ends the last paragraph
-                line = line.strip()
-                if line:
-                    para.append(line)
-                if para and (is_json or not line):  # a .json* line, or a paragraph, is complete
-                    yield is_json, b" ".join(para)
-                    para = []
-        except (OSError, EOFError, zlib.error) as e:
-            die(f"{path}: corrupt or truncated file ({e})")
-
-
 def tasks(files):
-    """The documents of the files, in order, in tasks of ~TASK_BYTES. A task ends with its file,
-    so no shard is read before it is needed."""
+    """The documents of the files in order, in tasks of ~TASK_BYTES that end with their file, so
+    no shard is read before it is needed. A document is (is_json, raw bytes): a .json* line or a
+    blank-line separated .txt paragraph; the workers decode it. A corrupt file stops the run."""
     for path in files:
-        task, size = [], 0
-        for rec in documents(path):
-            task.append(rec)
-            size += len(rec[1])
-            if size >= TASK_BYTES:
-                yield task
-                task, size = [], 0
+        is_json, para, task, size = ".json" in os.path.basename(path), [], [], 0
+        with open(path, "rb") as raw:
+            f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+            try:
+                for line in itertools.chain(f, [b""]):  # b"": ends the last paragraph
+                    line = line.strip()
+                    if line:
+                        para.append(line)
+                    if para and (is_json or not line):  # a .json* line, or a paragraph, is done
+                        task.append((is_json, b" ".join(para)))
+                        size, para = size + len(task[-1][1]), []
+                    if size >= TASK_BYTES:
+                        yield task
+                        task, size = [], 0
+            except (OSError, EOFError, zlib.error) as e:
+                die(f"{path}: corrupt or truncated file ({e})")
         if task:
             yield task
 
@@ -252,9 +244,8 @@ ENCODERS = {}  # in each worker (a pool per run): the run's tokenizer, read once
 
 
 def work(recs, tok, limit):
-    """The per-document work, in a worker: parse, normalise, hash; then count pre-tokenised
-    chunks (no tokenizer yet: the tokenizer sample) or encode and check for trash. Returns
-    [(hash, characters, ids | token count if trash | None), or None for a bad line], Counter."""
+    """In a worker: parse, normalise, hash, then count chunks (the tokenizer sample) or encode.
+    -> [(hash, characters, ids | token count if trash | None) | None if bad], chunk Counter."""
     if tok and tok["file"] not in ENCODERS:
         ranks = pathlib.Path(tok["file"]).read_text()
         ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=ranks))
@@ -352,9 +343,9 @@ def load_tokenizer(tok):
 
 
 def make_tokenizer(pool, files, args):
-    """(tokenizer dict, its tokens per character) trained on the first --sample-mb of normalised,
-    deduplicated text. Workers count the chunks of whole tasks; the few documents they should not
-    have counted (duplicates, those past the sample) are taken back here."""
+    """(tokenizer dict, its tokens per character) from the first --sample-mb of deduplicated text.
+    Workers count the chunks of whole tasks; the documents they should not have counted
+    (duplicates, those past the sample) are taken back here."""
     counts, seen, chars, limit = Counter(), set(), 0, args.sample_mb * 1e6
     progress = Progress("tokenizer sample", args.sample_mb, "MB")
     for recs, (results, part) in ordered(pool, files, args.workers):
@@ -421,8 +412,7 @@ def read_prepared(folder):
 
 
 def seal(f, name):
-    """Sync the file f to the disk and rename it to `name` beside it: a reader of `name` sees the
-    old file or the whole new one, never a part."""
+    """Sync the file f to the disk, then rename it to `name`: a reader sees all of it or nothing."""
     f.flush()
     os.fsync(f.fileno())
     f.close()
@@ -445,7 +435,7 @@ def sweep(out):
 
 # ----------------------------------------------------------------------------- packing
 class Packer:
-    """Appends documents, each followed by [SEP], to out/kind.tmp as whole uint16 rows; the rest
+    """Documents, each followed by [SEP], go to out/kind.tmp in whole rows; the rest of a row
     waits for the next documents, and the last rest is dropped."""
 
     def __init__(self, out, kind, seq_len, sep):
@@ -464,24 +454,23 @@ class Packer:
         self.rest = flat[n:]
 
     def close(self):
-        """-> its entry in meta.json, its file named after its content: train-1f2e3d4c.bin."""
+        """-> its entry in meta.json; the file is named after its content: train-1f2e3d4c.bin."""
         rows, sha = self.f.tell() // (2 * self.L), self.sha.hexdigest()
         return {"file": seal(self.f, f"{self.kind}-{sha[:8]}.bin"), "rows": rows,
                 "tokens": rows * self.L, "bytes": rows * self.L * 2, "sha256": sha}
 
 
 def encode(pool, files, tok, limit, args):
-    """The main process's part of encoding, in document order: exact deduplication, the held-out
-    split (every VAL_EVERY-th kept document, and the first ones until val has a row), packing.
-    Returns meta.json's entries of the train and val files, and the counts."""
+    """The main process's part, in document order: exact deduplication, the held-out split (every
+    VAL_EVERY-th kept document, and the first ones until val has a row), packing."""
     seen, s, sep = set(), Counter(), tok["special_tokens"]["[SEP]"]
-    train, val = Packer(args.out, "train", args.seq_len, sep), Packer(args.out, "val", args.seq_len, sep)
+    train, val = (Packer(args.out, kind, args.seq_len, sep) for kind in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
     for _, (results, _) in ordered(pool, files, args.workers, tok, limit):
         to_train, to_val = [], []
         for result in results:
-            s["bad_lines"] += result is None
             if result is None:
+                s["bad_lines"] += 1
                 continue
             key, n, ids = result
             s["documents_read"] += 1
@@ -510,14 +499,14 @@ def encode(pool, files, tok, limit, args):
 def parse_args(argv):
     ap = Parser(__doc__, LIMITS)
     arg = ap.add_argument
-    arg("--input", nargs="+", help=".txt (blank-line separated paragraphs), .jsonl, .json.gz, "
-        ".gz of them, or folders of them; default: download C4 shards")
+    arg("--input", nargs="+", help=".txt (paragraphs), .jsonl, .json.gz, .gz of them, or folders "
+        "of them; default: download C4 shards")
     arg("--shards", type=int, help=f"C4 shards to download (default {SHARDS}; see the table)")
     arg("--out", default="data", help="output folder (%(default)s)")
-    arg("--vocab-size", type=int, help=f"tokens incl. 4 specials ({VOCAB_SIZE} or --tokenizer's)")
+    arg("--vocab-size", type=int, help=f"tokens incl. 4 specials ({VOCAB_SIZE}, or --tokenizer's)")
     arg("--seq-len", type=int, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
-    arg("--trash", type=float, default=TRASH, help="drop documents of more than this many "
-        "tokens per character (%(default)s), scaled by the sample's tokens/char / 0.21")
+    arg("--trash", type=float, default=TRASH, help="drop documents of more tokens per character "
+        "(%(default)s), times the sample's tokens/char / 0.21")
     arg("--sample-mb", type=float, default=SAMPLE_MB, help="tokenizer sample (%(default)s MB)")
     arg("--tokenizer", help="reuse the tokenizer of an earlier output folder instead of training")
     arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (%(default)s)")
@@ -528,8 +517,8 @@ def parse_args(argv):
 
 
 def build(args, files, given, pool, fetcher, stop):
-    """The tokenizer (trained, or `given` as (meta, tok) by --tokenizer), then the encoded rows,
-    into files that the old meta.json does not name; returns the new meta."""
+    """The tokenizer (trained, or `given` as (meta, tok) by --tokenizer), then the packed rows, in
+    files that the old meta.json does not name; -> the new meta."""
     shards = args.shards or SHARDS
     if given:
         tok, per_char = given[1], given[0].get("sample_tokens_per_char", TRASH_REF)
@@ -542,37 +531,24 @@ def build(args, files, given, pool, fetcher, stop):
         tok_file = seal(f, f"tokenizer-{sha[:8]}.tiktoken")
     spec = dict(tok, ranks=None, file=os.path.join(args.out, tok_file))  # workers read the file
     limit = args.trash * per_char / TRASH_REF
-    train, val, s = encode(pool, files or c4_shards(args.out, shards, fetcher, stop), spec, limit, args)
+    train, val, s = encode(pool, files or c4_shards(args.out, shards, fetcher, stop), spec, limit,
+                           args)
     if not s["documents"] and s["trash_dropped"]:
         die(f"the trash filter dropped all {s['trash_dropped']:,} documents (more than "
             f"{limit:.3f} tokens per character); raise --trash (now {args.trash:g})")
     if not train["rows"] or not val["rows"]:
         die(f"too little data: {s['tokens']:,} tokens make {train['rows']} train and "
             f"{val['rows']} val rows of {args.seq_len}; give more text")
-    return {
-        "format": "cram-data-2", "vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS),
-        "seq_len": args.seq_len, "dtype": "uint16", "special_tokens": tok["special_tokens"],
-        "pattern": tok["pattern"], "tokenizer_file": tok_file,
-        "normalization": "NFD, strip combining marks (accents), lowercase, collapse whitespace",
-        "trash": args.trash, "trash_tokens_per_char": round(limit, 6),
-        "sample_tokens_per_char": round(per_char, 6), "documents": s["documents"],
-        "characters": s["characters"], "tokens": s["tokens"],
-        "chars_per_token": round(s["characters"] / s["tokens"], 4),
-        "filters": {k: s[k] for k in ("documents_read", "bad_lines", "empty_dropped",
-                    "duplicates_dropped", "duplicate_chars_dropped", "trash_dropped",
-                    "trash_chars_dropped")},
-        "train": train, "val": val,
-        "sources": files or [C4_URL.format(i=i) for i in range(shards)]}
-
-
-def report(meta, args):
-    f, chars = meta["filters"], meta["characters"]
-    print(f"{args.out}/: {meta['train']['rows']:,} train and {meta['val']['rows']:,} val rows of "
-          f"{meta['tokens']:,} tokens; filters: {json.dumps(f)}")
-    if f["trash_chars_dropped"] > TRASH_WARN * (chars + f["trash_chars_dropped"]):
-        print(f"WARNING: the trash filter dropped {f['trash_chars_dropped']:,} of "
-              f"{chars + f['trash_chars_dropped']:,} characters; if that is normal text, raise "
-              f"--trash (now {args.trash:g})", file=sys.stderr)
+    filters = ("documents_read", "bad_lines", "empty_dropped", "duplicates_dropped",
+               "duplicate_chars_dropped", "trash_dropped", "trash_chars_dropped")
+    return {"format": "cram-data-2", "vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS),
+            "seq_len": args.seq_len, "special_tokens": tok["special_tokens"],
+            "pattern": tok["pattern"], "tokenizer_file": tok_file, "train": train, "val": val,
+            "trash": args.trash, "trash_tokens_per_char": round(limit, 6),
+            "sample_tokens_per_char": round(per_char, 6), "documents": s["documents"],
+            "characters": s["characters"], "tokens": s["tokens"],
+            "filters": {k: s[k] for k in filters},
+            "sources": files or [C4_URL.format(i=i) for i in range(shards)]}
 
 
 @entry
@@ -593,13 +569,18 @@ def main(argv=None):
             meta = build(args, files, given, pool, fetcher, stop)
             with open(os.path.join(args.out, "meta.json.tmp"), "w") as f:
                 f.write(json.dumps(meta, indent=1))
-                seal(f, "meta.json")  # the commit: the folder now holds the new data
+                seal(f, "meta.json")  # the commit: from here on the folder holds the new data
         finally:
             stop.set()  # a download in flight gives up at its next block
             fetcher.shutdown(cancel_futures=True)
             pool.terminate()
             sweep(args.out)
-    report(meta, args)
+    dropped, chars = meta["filters"]["trash_chars_dropped"], meta["characters"]
+    print(f"{args.out}: {meta['train']['rows']:,} train and {meta['val']['rows']:,} val rows; "
+          f"{meta['tokens']:,} tokens; {json.dumps(meta['filters'])}")
+    if dropped > TRASH_WARN * (chars + dropped):
+        print(f"WARNING: the trash filter dropped {dropped:,} of {chars + dropped:,} characters; "
+              f"if that is normal text, raise --trash (now {args.trash:g})", file=sys.stderr)
     return meta
 
 

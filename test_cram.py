@@ -138,7 +138,7 @@ def test_deterministic_and_meta(tmp_path):
     assert meta["tokenizer_file"] == f"tokenizer-{hashlib.sha256(tok).hexdigest()[:8]}.tiktoken"
     assert sorted(os.listdir(o1)) == sorted(["lock", "meta.json", meta["tokenizer_file"], meta["train"]["file"], meta["val"]["file"]])
     assert meta["format"] == "cram-data-2" and m1 == m2
-    assert meta["chars_per_token"] > 3
+    assert meta["characters"] / meta["tokens"] > 3
 
 
 def test_packing_layout(tmp_path):
