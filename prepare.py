@@ -170,8 +170,7 @@ def fetch(url, part, stop):
 
 
 def c4_shards(out, count, fetcher, stop):
-    """The first `count` C4 shards, in order: shard i + 1 downloads in the thread `fetcher` while
-    shard i is read."""
+    """The first `count` C4 shards in order; shard i + 1 downloads (`fetcher`) while i is read."""
     path = os.path.join(out, "raw", "c4-train.{i:05d}.json.gz")
     ahead = fetcher.submit(download, C4_URL.format(i=0), path.format(i=0), stop)
     for i in range(1, count + 1):
@@ -196,8 +195,6 @@ def normalize(text):
     if not text.isascii():
         text = NON_ASCII.sub(strip_marks, unicodedata.normalize("NFD", text))
     return " ".join(text.lower().split())
-
-
 
 
 def input_files(paths):
@@ -341,7 +338,6 @@ def load_tokenizer(tok):
                              special_tokens=tok["special_tokens"])
 
 
-
 def make_tokenizer(pool, files, args):
     """(tokenizer dict, its tokens per character) from the first --sample-mb of deduplicated text.
     Workers count the chunks of whole tasks; the documents they should not have counted
@@ -366,7 +362,8 @@ def make_tokenizer(pool, files, args):
     specials = {s: len(ranks) + i for i, s in enumerate(SPECIALS)}
     tok = {"ranks": "".join(lines), "pattern": PATTERN, "special_tokens": specials}
     enc = load_tokenizer(tok)  # the sample's tokens per character set the trash threshold
-    return tok, sum(n * len(enc.encode_ordinary(chunk)) for chunk, n in counts.items()) / chars
+    tokens = sum(n * len(enc.encode_ordinary(chunk)) for chunk, n in counts.items())
+    return tok, tokens / chars
 
 
 # ----------------------------------------------------------------------------- the folder
