@@ -516,20 +516,19 @@ def parse_args(argv):
 def build(args, files, given, pool, fetcher, stop):
     """The tokenizer (trained, or `given` as (meta, tok) by --tokenizer), then the packed rows, in
     files that the old meta.json does not name; -> the new meta."""
-    shards = args.shards or SHARDS
+    count = args.shards or SHARDS
+    shards = functools.partial(c4_shards, args.out, count, fetcher, stop)  # a pass each
     if given:
         tok, per_char = given[1], given[0].get("sample_tokens_per_char", TRASH_REF)
     else:
-        tok, per_char = make_tokenizer(pool, files or c4_shards(args.out, shards, fetcher, stop),
-                                       args)
+        tok, per_char = make_tokenizer(pool, files or shards(), args)
     sha = hashlib.sha256(tok["ranks"].encode()).hexdigest()
     with open(os.path.join(args.out, "tokenizer.tmp"), "w") as f:
         f.write(tok["ranks"])
         tok_file = seal(f, f"tokenizer-{sha[:8]}.tiktoken")
     spec = dict(tok, ranks=None, file=os.path.join(args.out, tok_file))  # workers read the file
     limit = args.trash * per_char / TRASH_REF
-    train, val, s = encode(pool, files or c4_shards(args.out, shards, fetcher, stop), spec, limit,
-                           args)
+    train, val, s = encode(pool, files or shards(), spec, limit, args)
     if not s["documents"] and s["trash_dropped"]:
         die(f"the trash filter dropped all {s['trash_dropped']:,} documents (more than "
             f"{limit:.3f} tokens per character); raise --trash (now {args.trash:g})")
@@ -545,7 +544,7 @@ def build(args, files, given, pool, fetcher, stop):
             "sample_tokens_per_char": round(per_char, 6), "documents": s["documents"],
             "characters": s["characters"], "tokens": s["tokens"],
             "filters": {k: s[k] for k in filters},
-            "sources": files or [C4_URL.format(i=i) for i in range(shards)]}
+            "sources": files or [C4_URL.format(i=i) for i in range(count)]}
 
 
 @entry

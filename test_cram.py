@@ -1,5 +1,6 @@
 """Tests for prepare.py, cram.py and glue.py: CPU only, no network, tiny data made here."""
-import base64, fcntl, gzip, hashlib, http.server, io, itertools, json, math, os, random, signal, subprocess, sys, threading, time, zipfile
+import base64, fcntl, gzip, hashlib, http.server, io, itertools, json, math, os, random, shutil, signal, subprocess, sys, threading, time, zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import numpy as np
@@ -274,6 +275,15 @@ def test_c4_shards_download_and_a_restart_fetches_only_what_is_missing(tmp_path,
     args = ["--shards", "3", "--out", str(tmp_path), "--vocab-size", "300", "--seq-len", "32", "--workers", "2"]
     with pytest.raises(SystemExit, match="download failed: .*c4-2.json.gz"):
         prepare.main(args)
+    with ThreadPoolExecutor(1) as fetcher:  # shard 1 downloads while shard 0 is read
+        shards = prepare.c4_shards(str(tmp_path / "ahead"), 2, fetcher, threading.Event())
+        assert next(shards).endswith("c4-train.00000.json.gz")
+        for _ in range(500):
+            if os.path.exists(tmp_path / "ahead" / "raw" / "c4-train.00001.json.gz"):
+                break
+            time.sleep(0.01)
+        assert os.path.exists(tmp_path / "ahead" / "raw" / "c4-train.00001.json.gz")
+    shutil.rmtree(tmp_path / "ahead")
     assert sorted(os.listdir(tmp_path / "raw")) == ["c4-train.00000.json.gz", "c4-train.00001.json.gz"]  # no .part
     assert sorted(os.listdir(tmp_path)) == ["lock", "raw"]
     h.BROKEN, h.hits[:] = set(), []
@@ -489,6 +499,29 @@ def test_download_retries_are_said(tmp_path, http_server, capsys):
     retries = [l for l in capsys.readouterr().err.splitlines() if "/busy" in l]
     assert len(retries) == prepare.RETRIES - 1
     assert "HTTP 503 (attempt 1 of 5); waiting 0.01s" in retries[0] and "attempt 4 of 5" in retries[-1]
+
+
+def test_the_papers_defaults_and_the_sizing_table():
+    args = prepare.parse_args([])
+    assert (args.vocab_size, prepare.VOCAB_SIZE, args.seq_len, args.trash, args.sample_mb) == (None, 32768, 128, 0.3, 100)
+    assert prepare.SHARDS == 33 and "33 shards (the default)" in prepare.__doc__ and "406 shards" in prepare.__doc__
+
+
+def test_at_most_two_tasks_per_worker_in_flight(monkeypatch):
+    class Pool:  # runs each task when it is collected, and counts those handed out but not collected
+        def __init__(self):
+            self.out, self.most = 0, 0
+        def apply_async(self, fn, args):
+            self.out += 1
+            self.most = max(self.most, self.out)
+            return self
+        def get(self):
+            self.out -= 1
+            return "done"
+    monkeypatch.setattr(prepare, "tasks", lambda files: ([i] for i in range(50)))
+    pool = Pool()
+    assert [recs for recs, _ in prepare.ordered(pool, ["x"], 3)] == [[i] for i in range(50)]
+    assert pool.most == 6 and pool.out == 0
 
 
 @pytest.mark.parametrize("flag,value", [("--vocab-size", "260"), ("--vocab-size", "70000"), ("--seq-len", "1"),
