@@ -1,23 +1,22 @@
 """
 prepare.py: raw English text -> a BPE tokenizer trained on it -> packed, memmapped rows.
 
-The Cramming recipe (Geiping & Goldstein 2023): normalise (NFD, strip accents, lowercase),
-drop duplicates and "trash" documents that tokenize badly, train the tokenizer on the
-corpus itself, join documents with [SEP] and cut the stream into 128-token rows. Worker
-processes parse, normalise and encode; the main process deduplicates, holds out val and
-packs, so the output is byte-identical for any --workers. C4 shards download one ahead.
+The Cramming recipe (Geiping & Goldstein 2023): normalise (NFD, strip accents, lowercase), drop
+duplicates and "trash" documents that tokenize badly, train the tokenizer on the corpus itself,
+join documents with [SEP] and cut the stream into 128-token rows.
 
 C4 shards (~0.17 B tokens, ~320 MB of gzip each) for a day that reads each token once:
     the paper's GPU at the v2 pace     5.5 B tokens/day     33 shards (the default)
-    an H100 at 800k tokens/s            69 B tokens/day    406 shards (--tokens 69e9)
+    an H100 at 800k tokens/s            69 B tokens/day    406 shards
 
     python prepare.py                              # download C4 shards, write data/
     python prepare.py --input corpus.jsonl.gz      # or use local files, fully offline
     python prepare.py --input more.txt --tokenizer data/ --out heldout/   # reuse a vocabulary
 """
 import argparse, base64, fcntl, functools, gzip, hashlib, heapq, itertools, json, math
-import multiprocessing, os, pathlib, re, resource, signal, sys, threading, time, unicodedata, zlib
+import multiprocessing, os, pathlib, re, signal, sys, threading, time, unicodedata, zlib
 from collections import Counter, defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import requests
@@ -39,13 +38,13 @@ TRASH_WARN = 0.05  # dropping more than 5% of the text means the filter is hitti
 SAMPLE_MB = 100  # the tokenizer learns from this much text: more barely changes the merges
 VAL_EVERY, VAL_CAP = 200, 1 << 20  # every 200th document is held out, up to ~1M tokens
 RETRIES, BACKOFF = 5, 2.0  # download attempts and first wait (s), doubling: ~30 s of trouble
-H100_DAY_TOKENS = 69e9  # 800k tokens/s (this project's H100 goal) x 86,400 s, rounded
 SHARDS, C4_SHARDS = 33, 1024  # the paper's 5.5 B tokens at ~0.17 B per shard; C4 en has 1024
 TASK_BYTES = 1 << 20  # text per worker task: hides the hand-over, small enough to stay flat
 LIMITS = {"vocab_size": (261, 65536), "seq_len": (2, 65536), "trash": (0.01, 100),  # uint16 ids
-          "sample_mb": (0.001, 1e6), "shards": (1, C4_SHARDS), "tokens": (1, 1e13),
-          "workers": (1, 1024)}
-OUTPUTS = ("tokenizer.tiktoken", "train.bin", "val.bin", "meta.json")  # written as name.tmp first
+          "sample_mb": (0.001, 1e6), "shards": (1, C4_SHARDS), "workers": (1, 1024)}
+# What prepare.py writes beside meta.json: data files named after 8 hex of their sha256, so a new
+# version never overwrites an old one, and one .tmp per kind while it is written.
+OURS = re.compile(r"(train|val|tokenizer)(-[0-9a-f]{8}\.(bin|tiktoken)|\.tmp)|meta\.json\.tmp")
 
 
 def die(msg):
@@ -128,77 +127,57 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------- download
-def download(url, path):
-    """Stream url to path.part, resume it with a Range request, rename when complete. Server
-    errors and cut transfers are retried, each retry said in one line; a 404 is not retried."""
+def download(url, path, stop=None):
+    """Stream url to path.part, renamed to path when complete. A server error or a cut transfer
+    starts it again, each retry said in one line. Setting the event `stop` ends it (in a thread)."""
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    part = path + ".part"
-    for attempt in range(1, RETRIES + 1):
-        have = os.path.getsize(part) if os.path.exists(part) else 0
-        try:
-            with requests.get(url, stream=True, timeout=(10, 60),
-                              headers={"Range": f"bytes={have}-"} if have else {}) as r:
-                if r.status_code == 416 and have:  # the .part already holds everything
-                    os.replace(part, path)
-                    return path
-                if r.status_code not in (200, 206):
-                    err = f"HTTP {r.status_code}"
-                    if r.status_code < 500 and r.status_code != 429:
-                        break  # 404 and friends will not get better by retrying
-                else:
-                    have = have if r.status_code == 206 else 0  # 200: Range ignored, start over
-                    total = have + int(r.headers.get("Content-Length", 0))
-                    progress = Progress(f"download {os.path.basename(path)}", total / 1e6, "MB")
-                    with open(part, "ab" if have else "wb") as f:
-                        for block in r.iter_content(1 << 16):
-                            f.write(block)
-                            progress(f.tell() / 1e6)
-                    if os.path.getsize(part) >= total:
-                        os.replace(part, path)
-                        return path
-                    err = f"truncated: {os.path.getsize(part):,} of {total:,} bytes"
-        except (requests.RequestException, OSError) as e:
-            err = f"{type(e).__name__}: {str(e)[:200]}"
-        if attempt < RETRIES:
+    stop, part = stop or threading.Event(), path + ".part"
+    try:
+        for attempt in range(1, RETRIES + 1):
+            err = fetch(url, part, stop)
+            if err is None:
+                os.replace(part, path)
+                return path
             wait = BACKOFF * 2 ** (attempt - 1)
-            print(f"download {url}: {err} (attempt {attempt} of {RETRIES}); waiting {wait:g}s",
-                  file=sys.stderr, flush=True)
-            time.sleep(wait)
+            if attempt < RETRIES:
+                print(f"download {url}: {err} (attempt {attempt} of {RETRIES}); waiting "
+                      f"{wait:g}s", file=sys.stderr, flush=True)
+                if stop.wait(wait):  # Ctrl-C in the main thread
+                    raise KeyboardInterrupt
+    finally:
+        if os.path.exists(part):  # a new try starts from zero: no .part is left behind
+            os.remove(part)
     die(f"download failed: {url}: {err}")
 
 
-class Shards:
-    """C4 shards in `folder`, in order: while shard i is in use, shard i + 1 downloads in a thread,
-    so a run takes about max(download, processing); a rerun resumes the downloads (.part files)."""
+def fetch(url, part, stop):
+    """One try of download(): None when `part` holds all of url, else what went wrong."""
+    try:
+        with requests.get(url, stream=True, timeout=(10, 60)) as r:
+            if 400 <= r.status_code < 500 and r.status_code != 429:  # will not get better
+                die(f"download failed: {url}: HTTP {r.status_code}")
+            if r.status_code != 200:
+                return f"HTTP {r.status_code}"
+            with open(part, "wb") as f:
+                for block in r.iter_content(1 << 16):  # a cut transfer raises: Content-Length
+                    if stop.is_set():
+                        raise KeyboardInterrupt
+                    f.write(block)
+    except (requests.RequestException, OSError) as e:
+        return f"{type(e).__name__}: {str(e)[:200]}"
 
-    def __init__(self, folder, count):
-        self.folder, self.count, self.threads, self.errors, self.waited = folder, count, {}, {}, 0
 
-    def path(self, i):
-        return os.path.join(self.folder, f"c4-train.{i:05d}.json.gz")
-
-    def fetch(self, i):
-        try:
-            download(C4_URL.format(i=i), self.path(i))
-        except (SystemExit, OSError) as e:  # handed over to the main thread by __iter__
-            self.errors[i] = str(e)
-
-    def __iter__(self):
-        i = 0
-        while i < self.count:  # not range(): c4_sources() may lower the count on the way
-            for j in (i, i + 1):
-                if j < self.count and j not in self.threads:
-                    self.threads[j] = threading.Thread(target=self.fetch, args=(j,), daemon=True)
-                    self.threads[j].start()
-            t0 = time.time()
-            self.threads[i].join()
-            self.waited += time.time() - t0
-            if i in self.errors:
-                die(f"{self.path(i)}: {self.errors[i].removeprefix('error: ')}")
-            yield self.path(i)
-            i += 1
+def c4_shards(out, count, fetcher, stop):
+    """The first `count` C4 shards in order; shard i + 1 downloads (`fetcher`) while i is read."""
+    path = os.path.join(out, "raw", "c4-train.{i:05d}.json.gz")
+    ahead = fetcher.submit(download, C4_URL.format(i=0), path.format(i=0), stop)
+    for i in range(1, count + 1):
+        done = ahead.result()  # a failed download raises its one-line error here
+        if i < count:
+            ahead = fetcher.submit(download, C4_URL.format(i=i), path.format(i=i), stop)
+        yield done
 
 
 # ----------------------------------------------------------------------------- reading
@@ -233,60 +212,49 @@ def input_files(paths):
     return files
 
 
-def documents(path):
-    """(path:line, is_json, raw bytes) of each document of one file: a .json* line, or a
-    blank-line separated .txt paragraph; the workers decode them. A corrupt file stops the run."""
-    is_json, para, start = ".json" in os.path.basename(path), [], 0
-    with open(path, "rb") as raw:
-        f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
-        try:
-            for lineno, line in enumerate(itertools.chain(f, [b""]), 1):  # b"": ends the last
-                line = line.strip()
-                if line:
-                    start = start if para else lineno
-                    para.append(line)
-                if para and (is_json or not line):  # a .json* line, or a paragraph, is complete
-                    yield f"{path}:{start}", is_json, b" ".join(para)
-                    para = []
-        except (OSError, EOFError, zlib.error) as e:
-            die(f"{path}: corrupt or truncated file ({e})")
-
-
 def tasks(files):
-    """The documents of the files, in order, in tasks of ~TASK_BYTES. A task ends with its file,
-    so no shard is read before it is needed."""
+    """The documents of the files in order, in tasks of ~TASK_BYTES that end with their file, so
+    no shard is read before it is needed. A document is (is_json, raw bytes): a .json* line or a
+    blank-line separated .txt paragraph; the workers decode it. A corrupt file stops the run."""
     for path in files:
-        batch, size = [], 0
-        for rec in documents(path):
-            batch.append(rec)
-            size += len(rec[2])
-            if size >= TASK_BYTES:
-                yield batch
-                batch, size = [], 0
-        if batch:
-            yield batch
+        is_json, para, task, size = ".json" in os.path.basename(path), [], [], 0
+        with open(path, "rb") as raw:
+            f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+            try:
+                for line in itertools.chain(f, [b""]):  # b"": ends the last paragraph
+                    line = line.strip()
+                    if line:
+                        para.append(line)
+                    if para and (is_json or not line):  # a .json* line, or a paragraph, is done
+                        task.append((is_json, b" ".join(para)))
+                        size, para = size + len(task[-1][1]), []
+                    if size >= TASK_BYTES:
+                        yield task
+                        task, size = [], 0
+            except (OSError, EOFError, zlib.error) as e:
+                die(f"{path}: corrupt or truncated file ({e})")
+        if task:
+            yield task
 
 
 ENCODERS = {}  # in each worker (a pool per run): the run's tokenizer, read once from its file
 
 
 def work(recs, tok, limit):
-    """The per-document work, in a worker: parse, normalise, hash; then count pre-tokenised
-    chunks (no tokenizer yet: the tokenizer sample) or encode and check for trash. Returns
-    [(hash, characters, ids | token count if trash | None) or (None, where, why)], Counter."""
+    """In a worker: parse, normalise, hash, then count chunks (the tokenizer sample) or encode.
+    -> [(hash, characters, ids | token count if trash | None) | None if bad], chunk Counter."""
     if tok and tok["file"] not in ENCODERS:
-        with open(tok["file"]) as f:
-            ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=f.read()))
+        ranks = pathlib.Path(tok["file"]).read_text()
+        ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=ranks))
     results, counts = [], Counter()
-    for where, is_json, raw in recs:
+    for is_json, raw in recs:
         try:
             doc = json.loads(raw) if is_json else {"text": raw.decode("utf-8")}
-        except ValueError as e:  # broken JSON or UTF-8
-            results.append((None, where, f"{type(e).__name__}: {str(e)[:80]}"))
-            continue
+        except ValueError:  # broken JSON or UTF-8
+            doc = None
         text = doc.get("text") if isinstance(doc, dict) else None
         if not isinstance(text, str):
-            results.append((None, where, 'no string "text" field'))
+            results.append(None)
             continue
         text = normalize(text)
         key = hashlib.blake2b(text.encode(), digest_size=8).digest()
@@ -370,82 +338,107 @@ def load_tokenizer(tok):
                              special_tokens=tok["special_tokens"])
 
 
-def make_tokenizer(pool, files, args, times):
-    """(tokenizer dict, its tokens per character) trained on the first --sample-mb of normalised,
-    deduplicated text. Workers count the chunks of whole tasks; the few documents they should not
-    have counted (duplicates, those past the sample) are taken back here."""
+def make_tokenizer(pool, files, args):
+    """(tokenizer dict, its tokens per character) from the first --sample-mb of deduplicated text.
+    Workers count the chunks of whole tasks; the documents they should not have counted
+    (duplicates, those past the sample) are taken back here."""
     counts, seen, chars, limit = Counter(), set(), 0, args.sample_mb * 1e6
-    progress, t0 = Progress("tokenizer sample", args.sample_mb, "MB"), time.time()
+    progress = Progress("tokenizer sample", args.sample_mb, "MB")
     for recs, (results, part) in ordered(pool, files, args.workers):
-        for rec, (key, n, _) in zip(recs, results):
-            if key and (chars >= limit or key in seen):
+        for rec, result in zip(recs, results):
+            if result and (chars >= limit or result[0] in seen):
                 part.subtract(work([rec], None, 0)[1])  # what the worker counted for it
-            elif key:
-                seen.add(key)
-                chars += n
+            elif result:
+                seen.add(result[0])
+                chars += result[1]
         counts.update(+part)  # +: without the chunks taken back to 0
         progress(chars / 1e6)
         if chars >= limit:
             break
     if not counts:
         die(f"no text in {' '.join(args.input or ['the C4 shards'])}")
-    times["tokenizer_count"], t0 = time.time() - t0, time.time()
     ranks = train_bpe(counts, args.vocab_size - len(SPECIALS))
     lines = [f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items()]
     specials = {s: len(ranks) + i for i, s in enumerate(SPECIALS)}
     tok = {"ranks": "".join(lines), "pattern": PATTERN, "special_tokens": specials}
     enc = load_tokenizer(tok)  # the sample's tokens per character set the trash threshold
     tokens = sum(n * len(enc.encode_ordinary(chunk)) for chunk, n in counts.items())
-    times["tokenizer_train"] = time.time() - t0
-    print(f"tokenizer: {len(ranks) + len(SPECIALS):,} tokens from {chars / 1e6:,.1f} MB in "
-          f"{times['tokenizer_count'] + times['tokenizer_train']:.0f}s", file=sys.stderr)
     return tok, tokens / chars
 
 
+# ----------------------------------------------------------------------------- the folder
+def expect(ok, path, why):
+    if not ok:
+        die(f"{path}: {why}; run prepare.py again")
+
+
 def read_prepared(folder):
-    """(meta, tokenizer dict, {"train", "val": read-only (N, seq_len) memmaps}) of a folder written
-    by prepare.py; sizes are checked against meta.json, so a damaged .bin is named at start-up."""
+    """(meta, tokenizer dict, {"train", "val": read-only (N, seq_len) memmaps}) of a folder
+    written by prepare.py: the one check that its files agree with its meta.json."""
+    where = os.path.join(folder, "meta.json")
+    if not os.path.isfile(where):
+        die(f"{folder}: no prepared data (no meta.json); run prepare.py --out {folder}")
     try:
-        meta = json.loads(pathlib.Path(folder, "meta.json").read_text())
-        ranks = pathlib.Path(folder, meta["tokenizer_file"]).read_text()
-        tok = {"ranks": ranks, "pattern": meta["pattern"], "special_tokens": meta["special_tokens"]}
+        meta = json.loads(pathlib.Path(where).read_text())
+        vocab, seq_len, specials = meta["vocab_size"], meta["seq_len"], meta["special_tokens"]
+        tok = {"ranks": "", "pattern": meta["pattern"], "special_tokens": specials}
+        bins = {k: (os.path.join(folder, meta[k]["file"]), meta[k]["bytes"])
+                for k in ("train", "val")}
+        for name in ("vocab_size", "seq_len"):
+            lo, hi = LIMITS[name]
+            expect(type(meta[name]) is int and lo <= meta[name] <= hi, where,
+                   f"{name} {meta[name]!r}: not an integer in {lo}..{hi}")
+        expect(sorted(specials) == sorted(SPECIALS) and max(specials.values()) < vocab, where,
+               f"special_tokens {specials}: not ids below vocab_size {vocab}")
+        where = os.path.join(folder, meta["tokenizer_file"])
+        tok["ranks"] = pathlib.Path(where).read_text()
+        load_tokenizer(tok)
+        n = len(tok["ranks"].splitlines()) + len(specials)
+        expect(n == vocab, where, f"{n} tokens, but meta.json says {vocab}: damaged")
         rows = {}
-        for split in ("train", "val"):
-            path = os.path.join(folder, f"{split}.bin")
-            size = os.path.getsize(path) if os.path.exists(path) else None
-            if size != meta[split]["bytes"]:
-                die(f"{path}: {'missing' if size is None else f'{size:,} bytes'}, but meta.json "
-                    f"says {meta[split]['bytes']:,}: damaged; run prepare.py again")
-            rows[split] = np.memmap(path, dtype=np.uint16, mode="r").reshape(-1, meta["seq_len"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        die(f"{folder}: no prepared data ({type(e).__name__}: {e}); run prepare.py --out {folder}")
+        for split, (where, size) in bins.items():
+            have = os.path.getsize(where)
+            expect(have == size, where, f"{have:,} bytes, but meta.json says {size:,}: damaged")
+            rows[split] = np.memmap(where, dtype=np.uint16, mode="r").reshape(-1, seq_len)
+        top = int(rows["val"].max())  # cheap: val is at most VAL_CAP tokens
+        expect(top < vocab, where, f"holds token {top}, but meta.json says vocab_size {vocab}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        expect(False, where, "missing" if isinstance(e, FileNotFoundError) else
+               f"unreadable ({type(e).__name__}: {str(e)[:80]})")
     return meta, tok, rows
 
 
-def reuse_tokenizer(folder):
-    """(tokenizer dict, tokens per character of its sample) of an earlier output folder."""
-    meta, tok, _ = read_prepared(folder)
-    path = os.path.join(folder, meta["tokenizer_file"])
+def seal(f, name):
+    """Sync the file f to the disk, then rename it to `name`: a reader sees all of it or nothing."""
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+    os.replace(f.name, os.path.join(os.path.dirname(f.name), name))
+    return name
+
+
+def sweep(out):
+    """Remove what prepare.py wrote into `out` that the meta.json there does not name: after the
+    commit the old version, after a failure this run's own files, and leftovers of killed runs."""
     try:
-        load_tokenizer(tok)
-    except (ValueError, KeyError, TypeError) as e:
-        die(f"{path}: unreadable ({type(e).__name__}: {str(e)[:80]}); run prepare.py again")
-    n_vocab = len(tok["ranks"].splitlines()) + len(tok["special_tokens"])
-    if n_vocab != meta["vocab_size"]:
-        die(f"{path}: {n_vocab} tokens, but meta.json says {meta['vocab_size']}: damaged; "
-            "run prepare.py again")
-    return tok, meta.get("sample_tokens_per_char") or 1 / meta["chars_per_token"]
+        meta = json.loads(pathlib.Path(out, "meta.json").read_text())
+        keep = {meta["tokenizer_file"], meta["train"]["file"], meta["val"]["file"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        keep = set()  # no usable meta.json: nothing here is data
+    for name in os.listdir(out):
+        if OURS.fullmatch(name) and name not in keep:
+            os.remove(os.path.join(out, name))
 
 
 # ----------------------------------------------------------------------------- packing
 class Packer:
-    """Appends documents, each followed by [SEP], to path.tmp as whole uint16 rows; the rest
+    """Documents, each followed by [SEP], go to out/kind.tmp in whole rows; the rest of a row
     waits for the next documents, and the last rest is dropped."""
 
-    def __init__(self, path, seq_len, sep):
-        self.L, self.sep = seq_len, np.array([sep], np.uint16)
-        self.f, self.sha = open(path + ".tmp", "wb"), hashlib.sha256()
-        self.rest, self.rows = np.zeros(0, np.uint16), 0
+    def __init__(self, out, kind, seq_len, sep):
+        self.kind, self.L, self.sep = kind, seq_len, np.array([sep], np.uint16)
+        self.rest = np.zeros(0, np.uint16)
+        self.f, self.sha = open(os.path.join(out, kind + ".tmp"), "wb"), hashlib.sha256()
 
     def add(self, docs):
         parts = [self.rest]
@@ -455,181 +448,135 @@ class Packer:
         n = len(flat) // self.L * self.L
         self.f.write(flat[:n].tobytes())
         self.sha.update(flat[:n].tobytes())
-        self.rest, self.rows = flat[n:], self.rows + n // self.L
+        self.rest = flat[n:]
 
     def close(self):
-        self.f.close()
-        return {"rows": self.rows, "tokens": self.rows * self.L, "bytes": self.rows * self.L * 2,
-                "sha256": self.sha.hexdigest()}
+        """-> its entry in meta.json; the file is named after its content: train-1f2e3d4c.bin."""
+        rows, sha = self.f.tell() // (2 * self.L), self.sha.hexdigest()
+        return {"file": seal(self.f, f"{self.kind}-{sha[:8]}.bin"), "rows": rows,
+                "tokens": rows * self.L, "bytes": rows * self.L * 2, "sha256": sha}
 
 
-def encode(pool, sources, tok, limit, args, stats):
-    """The main process's part of encoding, in document order: exact deduplication, the held-out
-    split (every VAL_EVERY-th kept document, and the first ones until val has a row), packing.
-    `sources` gives lists of files, each asked for when the last is done; counts go to `stats`."""
-    seen, s, sep = set(), stats, tok["special_tokens"]["[SEP]"]
-    train = Packer(os.path.join(args.out, "train.bin"), args.seq_len, sep)
-    val = Packer(os.path.join(args.out, "val.bin"), args.seq_len, sep)
+def encode(pool, files, tok, limit, args):
+    """The main process's part, in document order: exact deduplication, the held-out split (every
+    VAL_EVERY-th kept document, and the first ones until val has a row), packing."""
+    seen, s, sep = set(), Counter(), tok["special_tokens"]["[SEP]"]
+    train, val = (Packer(args.out, kind, args.seq_len, sep) for kind in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
-    for files in sources:
-        for _, (results, _) in ordered(pool, files, args.workers, tok, limit):
-            to_train, to_val = [], []
-            for key, n, ids in results:
-                if key is None:  # a bad line: n says where, ids why
-                    s["bad_lines"] += 1
-                    if s["bad_lines"] <= 5:
-                        print(f"warning: {n}: skipped ({ids})", file=sys.stderr)
-                    continue
-                s["documents_read"] += 1
-                if not n or key in seen:
-                    s["duplicates_dropped" if n else "empty_dropped"] += 1
-                    s["duplicate_chars_dropped"] += n
-                    continue
-                seen.add(key)
-                if isinstance(ids, int):
-                    s.update(trash_dropped=1, trash_chars_dropped=n)
-                    continue
-                if s["val_tokens"] < VAL_CAP and (s["documents"] % VAL_EVERY == 0
-                                                  or s["val_tokens"] < args.seq_len):
-                    to_val.append(ids)
-                    s["val_tokens"] += len(ids) + 1
-                else:
-                    to_train.append(ids)
-                s.update(documents=1, characters=n, tokens=len(ids))
-            train.add(to_train)
-            val.add(to_val)
-            progress(s["characters"] / 1e6)
-    return train.close(), val.close()
-
-
-def c4_sources(shards, stats, tokens):
-    """[shard] after shard for encode(); with --tokens, shard 0 tells how many are needed."""
-    for i, path in enumerate(shards):
-        yield [path]
-        if i == 0 and tokens:
-            shards.count = min(C4_SHARDS, math.ceil(tokens / max(stats["tokens"], 1)))
-            print(f"--tokens {tokens:g}: shard 0 gave {stats['tokens']:,} tokens "
-                  f"({stats['tokens'] / os.path.getsize(shards.path(0)):.2f} per byte of gzip), "
-                  f"so {shards.count} shards", file=sys.stderr)
+    for _, (results, _) in ordered(pool, files, args.workers, tok, limit):
+        to_train, to_val = [], []
+        for result in results:
+            if result is None:
+                s["bad_lines"] += 1
+                continue
+            key, n, ids = result
+            s["documents_read"] += 1
+            if not n or key in seen:
+                s["duplicates_dropped" if n else "empty_dropped"] += 1
+                s["duplicate_chars_dropped"] += n
+                continue
+            seen.add(key)
+            if isinstance(ids, int):
+                s.update(trash_dropped=1, trash_chars_dropped=n)
+                continue
+            if s["val_tokens"] < VAL_CAP and (s["documents"] % VAL_EVERY == 0
+                                              or s["val_tokens"] < args.seq_len):
+                to_val.append(ids)
+                s["val_tokens"] += len(ids) + 1
+            else:
+                to_train.append(ids)
+            s.update(documents=1, characters=n, tokens=len(ids))
+        train.add(to_train)
+        val.add(to_val)
+        progress(s["characters"] / 1e6)
+    return train.close(), val.close(), s
 
 
 # ----------------------------------------------------------------------------- main
 def parse_args(argv):
-    ap = Parser(__doc__, {})
+    ap = Parser(__doc__, LIMITS)
     arg = ap.add_argument
-    arg("--input", nargs="+", help=".txt (blank-line separated paragraphs), .jsonl, .json.gz, "
-        ".gz of them, or folders of them; default: download C4 shards")
+    arg("--input", nargs="+", help=".txt (paragraphs), .jsonl, .json.gz, .gz of them, or folders "
+        "of them; default: download C4 shards")
     arg("--shards", type=int, help=f"C4 shards to download (default {SHARDS}; see the table)")
-    arg("--tokens", type=float, help="instead of --shards: enough shards for this many tokens, "
-        "as shard 0 estimates (e.g. 69e9: an H100 day)")
-    arg("--out", default="data", help="output folder (%(default)s), swapped in when complete")
-    arg("--vocab-size", type=int, default=VOCAB_SIZE, help="tokens incl. 4 specials (%(default)s)")
+    arg("--out", default="data", help="output folder (%(default)s)")
+    arg("--vocab-size", type=int, help=f"tokens incl. 4 specials ({VOCAB_SIZE}, or --tokenizer's)")
     arg("--seq-len", type=int, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
-    arg("--trash", type=float, default=TRASH, help="drop documents of more than trash tokens per "
-        "character at 32k (%(default)s); scaled by the sample's tokens/char at other sizes")
+    arg("--trash", type=float, default=TRASH, help="drop documents of more tokens per character "
+        "(%(default)s), times the sample's tokens/char / 0.21")
     arg("--sample-mb", type=float, default=SAMPLE_MB, help="tokenizer sample (%(default)s MB)")
     arg("--tokenizer", help="reuse the tokenizer of an earlier output folder instead of training")
     arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (%(default)s)")
     args = ap.parse_args(argv)
-    for name, (lo, hi) in LIMITS.items():
-        value = getattr(args, name)
-        if value is not None and not lo <= value <= hi:
-            die(f"--{name.replace('_', '-')} {value:g}: must be in {lo:g}..{hi:g}")
-    if args.input and (args.tokens or args.shards):
-        die("--tokens and --shards choose C4 shards: not with --input")
-    if args.tokens and args.shards:
-        die("--tokens picks the number of shards: give it or --shards, not both")
+    if args.input and args.shards:
+        die("--shards chooses C4 shards: not with --input")
     return args
 
 
-def build(args, pool, files, times):
-    """Tokenizer, encoding and packing, all written under .tmp names; returns meta."""
-    count = C4_SHARDS if args.tokens else args.shards or SHARDS  # --tokens: shard 0 will tell
-    shards = None if files else Shards(os.path.join(args.out, "raw"), count)
-    if args.tokenizer:
-        tok, per_char = reuse_tokenizer(args.tokenizer)
+def build(args, files, given, pool, fetcher, stop):
+    """The tokenizer (trained, or `given` as (meta, tok) by --tokenizer), then the packed rows, in
+    files that the old meta.json does not name; -> the new meta."""
+    count = args.shards or SHARDS
+    shards = functools.partial(c4_shards, args.out, count, fetcher, stop)  # a pass each
+    if given:
+        tok, per_char = given[1], given[0].get("sample_tokens_per_char", TRASH_REF)
     else:
-        tok, per_char = make_tokenizer(pool, files or shards, args, times)
-    tok_file = os.path.join(args.out, "tokenizer.tiktoken.tmp")
-    pathlib.Path(tok_file).write_text(tok["ranks"])
-    spec = dict(tok, ranks=None, file=tok_file)  # the workers read the ranks from the file
-    limit, stats, t0 = args.trash * per_char / TRASH_REF, Counter(), time.time()
-    sources = [files] if files else c4_sources(shards, stats, args.tokens)
-    train, val = encode(pool, sources, spec, limit, args, stats)
-    if shards:
-        times["download_wait"] = shards.waited
-    times["encode_pack"] = time.time() - t0
+        tok, per_char = make_tokenizer(pool, files or shards(), args)
+    sha = hashlib.sha256(tok["ranks"].encode()).hexdigest()
+    with open(os.path.join(args.out, "tokenizer.tmp"), "w") as f:
+        f.write(tok["ranks"])
+        tok_file = seal(f, f"tokenizer-{sha[:8]}.tiktoken")
+    spec = dict(tok, ranks=None, file=os.path.join(args.out, tok_file))  # workers read the file
+    limit = args.trash * per_char / TRASH_REF
+    train, val, s = encode(pool, files or shards(), spec, limit, args)
+    if not s["documents"] and s["trash_dropped"]:
+        die(f"the trash filter dropped all {s['trash_dropped']:,} documents (more than "
+            f"{limit:.3f} tokens per character); raise --trash (now {args.trash:g})")
     if not train["rows"] or not val["rows"]:
-        die(f"too little data: {stats['tokens']:,} tokens make {train['rows']} train and "
+        die(f"too little data: {s['tokens']:,} tokens make {train['rows']} train and "
             f"{val['rows']} val rows of {args.seq_len}; give more text")
-    return {
-        "format": "cram-data-1", "vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS),
-        "seq_len": args.seq_len, "dtype": "uint16", "special_tokens": tok["special_tokens"],
-        "pattern": tok["pattern"], "tokenizer_file": "tokenizer.tiktoken",
-        "normalization": "NFD, strip combining marks (accents), lowercase, collapse whitespace",
-        "trash": args.trash, "trash_tokens_per_char": round(limit, 6),
-        "sample_tokens_per_char": round(per_char, 6), "documents": stats["documents"],
-        "characters": stats["characters"], "tokens": stats["tokens"],
-        "chars_per_token": round(stats["characters"] / stats["tokens"], 4),
-        "filters": {k: stats[k] for k in ("documents_read", "bad_lines", "empty_dropped",
-                    "duplicates_dropped", "duplicate_chars_dropped", "trash_dropped",
-                    "trash_chars_dropped")},
-        "train": train, "val": val,
-        "sources": files or [shards.path(i) for i in range(shards.count)]}
+    filters = ("documents_read", "bad_lines", "empty_dropped", "duplicates_dropped",
+               "duplicate_chars_dropped", "trash_dropped", "trash_chars_dropped")
+    return {"format": "cram-data-2", "vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS),
+            "seq_len": args.seq_len, "special_tokens": tok["special_tokens"],
+            "pattern": tok["pattern"], "tokenizer_file": tok_file, "train": train, "val": val,
+            "trash": args.trash, "trash_tokens_per_char": round(limit, 6),
+            "sample_tokens_per_char": round(per_char, 6), "documents": s["documents"],
+            "characters": s["characters"], "tokens": s["tokens"],
+            "filters": {k: s[k] for k in filters},
+            "sources": files or [C4_URL.format(i=i) for i in range(count)]}
 
 
-def publish(out, meta):
-    """Swap the new files in, once all are on disk: the old meta.json goes first (it must never
-    vouch for new files), then the renames, meta.json last: it says that the folder is complete."""
-    pathlib.Path(out, "meta.json.tmp").write_text(json.dumps(meta, indent=1))
-    os.sync()
-    if os.path.exists(os.path.join(out, "meta.json")):
-        os.remove(os.path.join(out, "meta.json"))
-    for name in OUTPUTS:  # meta.json is the last
-        os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
-
-
-def report(meta, args, times, t_start):
-    f, chars = meta["filters"], meta["characters"]
-    print(f"documents: {f['documents_read']:,} read, {f['bad_lines']} bad lines, "
-          f"{f['empty_dropped']} empty, {f['duplicates_dropped']:,} duplicates "
-          f"({f['duplicate_chars_dropped']:,} chars), {f['trash_dropped']:,} trash "
-          f"({f['trash_chars_dropped']:,} chars) dropped; {meta['documents']:,} kept")
-    if f["trash_chars_dropped"] > TRASH_WARN * (chars + f["trash_chars_dropped"]):
-        print(f"WARNING: the trash filter dropped {f['trash_chars_dropped']:,} of "
-              f"{chars + f['trash_chars_dropped']:,} characters; if that is normal text, raise "
-              f"--trash (now {args.trash:g})", file=sys.stderr)
-    print(f"tokens: {meta['tokens']:,} ({meta['chars_per_token']:.2f} chars/token) -> "
-          f"{meta['train']['rows']:,} train rows, {meta['val']['rows']:,} val rows of "
-          f"{args.seq_len} in {args.out}/; an H100 day at 800k tokens/s reads "
-          f"{H100_DAY_TOKENS / meta['tokens']:,.1f}x that (see --help)")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()) +
-          f", total {time.time() - t_start:.1f}s; peak memory {peak:,.0f} MB (main process)")
-
-
+@entry
 def main(argv=None):
     args = parse_args(argv)
-    t_start, times = time.time(), {}
     files = input_files(args.input) if args.input else None
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        die(f"--out {args.out}: cannot write there ({e.strerror})")
-    # One pool for the whole run, started before any download thread (forking is then safe).
-    # Workers ignore Ctrl-C: the main process stops them, without a traceback from each.
-    pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
-    try:
-        meta = build(args, pool, files, times)
-        publish(args.out, meta)
-    except OSError as e:  # a full disk, say: one line, and the earlier folder is left as it was
-        die(f"{e.filename or args.out}: cannot write ({e.strerror})")
-    finally:
-        pool.terminate()
-        for name in OUTPUTS:  # what a failed run left behind
-            if os.path.exists(os.path.join(args.out, name + ".tmp")):
-                os.remove(os.path.join(args.out, name + ".tmp"))
-    report(meta, args, times, t_start)
+    given = read_prepared(args.tokenizer)[:2] if args.tokenizer else None
+    if given and args.vocab_size not in (None, given[0]["vocab_size"]):
+        die(f"--vocab-size {args.vocab_size}: the tokenizer of {args.tokenizer} has "
+            f"{given[0]['vocab_size']} tokens")
+    args.vocab_size = args.vocab_size or VOCAB_SIZE
+    with claim(args.out, "prepare.py"):
+        # The pool before any thread: forking a process that runs threads is unsafe. Workers
+        # ignore Ctrl-C: the main process stops them, without a traceback from each.
+        pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
+        fetcher, stop = ThreadPoolExecutor(1), threading.Event()  # downloads the next C4 shard
+        try:
+            meta = build(args, files, given, pool, fetcher, stop)
+            with open(os.path.join(args.out, "meta.json.tmp"), "w") as f:
+                f.write(json.dumps(meta, indent=1))
+                seal(f, "meta.json")  # the commit: from here on the folder holds the new data
+        finally:
+            stop.set()  # a download in flight gives up at its next block
+            fetcher.shutdown(cancel_futures=True)
+            pool.terminate()
+            sweep(args.out)
+    dropped, chars = meta["filters"]["trash_chars_dropped"], meta["characters"]
+    print(f"{args.out}: {meta['train']['rows']:,} train and {meta['val']['rows']:,} val rows; "
+          f"{meta['tokens']:,} tokens; {json.dumps(meta['filters'])}")
+    if dropped > TRASH_WARN * (chars + dropped):
+        print(f"WARNING: the trash filter dropped {dropped:,} of {chars + dropped:,} characters; "
+              f"if that is normal text, raise --trash (now {args.trash:g})", file=sys.stderr)
     return meta
 
 
