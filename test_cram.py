@@ -603,10 +603,10 @@ def test_schedule_and_ramp():
 def test_overfits_tiny_dataset(tmp_path, data):
     small = tmp_path / "small"
     small.mkdir()
-    (small / "tokenizer.tiktoken").write_bytes(open(os.path.join(data, "tokenizer.tiktoken"), "rb").read())
-    rows = np.fromfile(os.path.join(data, "train.bin"), np.uint16)[: 8 * 32]
-    rows.tofile(small / "train.bin"), rows.tofile(small / "val.bin")
     meta = json.load(open(os.path.join(data, "meta.json")))
+    (small / meta["tokenizer_file"]).write_bytes(open(os.path.join(data, meta["tokenizer_file"]), "rb").read())
+    rows = np.fromfile(os.path.join(data, meta["train"]["file"]), np.uint16)[: 8 * 32]
+    rows.tofile(small / meta["train"]["file"]), rows.tofile(small / meta["val"]["file"])
     meta["train"]["bytes"] = meta["val"]["bytes"] = rows.nbytes
     json.dump(meta, open(small / "meta.json", "w"))
     cram.main(["--data", str(small), "--out", str(tmp_path / "out"), "--steps", "500", "--lr", "3e-3", *TINY,
@@ -792,12 +792,13 @@ def test_damaged_data_is_named_at_start(tmp_path, data):
     bad.mkdir()
     for f in os.listdir(data):
         (bad / f).write_bytes(open(os.path.join(data, f), "rb").read())
-    with open(bad / "val.bin", "r+b") as f:
+    meta = json.load(open(bad / "meta.json"))
+    with open(bad / meta["val"]["file"], "r+b") as f:
         f.truncate(100)
-    with pytest.raises(SystemExit, match="val.bin: 100 bytes, but meta.json says .*damaged"):
+    with pytest.raises(SystemExit, match="val-.*.bin: 100 bytes, but meta.json says .*damaged"):
         cram.main(["--data", str(bad), "--out", str(tmp_path / "o"), *TINY])
-    os.remove(bad / "train.bin")
-    with pytest.raises(SystemExit, match="train.bin: missing"):
+    os.remove(bad / meta["train"]["file"])
+    with pytest.raises(SystemExit, match="train-.*.bin: missing"):
         cram.main(["--data", str(bad), "--out", str(tmp_path / "o"), *TINY])
 
 
