@@ -324,8 +324,7 @@ def save_checkpoint(path, ckpt):
     except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
-        die(f"{path}: cannot save the checkpoint ({str(e).splitlines()[0][:120]}); the previous "
-            f"one is intact")
+        die(f"{path}: cannot save the checkpoint ({str(e)[:80]}); the previous one is intact")
 
 
 def check_data(ckpt, meta, tok, path, data):
@@ -424,11 +423,8 @@ def claim_out(args):
     if found and not args.resume:
         die(f"--out {args.out} holds a run ({', '.join(found)}): continue it with --resume, or "
             f"start over with another --out or after deleting {args.out}")
-    try:  # the save at the end must not be the first to find out
-        open(args.ckpt + ".tmp", "wb").close()
-        os.remove(args.ckpt + ".tmp")
-    except OSError as e:
-        die(f"--out {args.out}: cannot write there ({e.strerror})")
+    open(args.ckpt + ".tmp", "wb").close()  # cannot be written? say so now, not at the first save
+    os.remove(args.ckpt + ".tmp")
     return lock
 
 
@@ -498,7 +494,7 @@ class Trainer:
             check_data(ckpt, meta, self.tok, args.ckpt, args.data)
             self.c = ModelConfig(**ckpt["model_config"])
             run = {k: ckpt["args"][k] for k in RUN}
-            kept = [f"--{k.replace('_', '-')} {v}" for k, v in run.items() if getattr(args, k) != v]
+            kept = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in run.items())
             vars(args).update(run)  # the schedule depends on these: the run decides
             self.step, self.seqs, self.elapsed = ckpt["step"], ckpt["seqs"], ckpt["elapsed"]
             self.skipped, data_pos = ckpt["skipped"], ckpt["data"]
@@ -506,12 +502,11 @@ class Trainer:
         self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *data_pos)
         self.val, self.masker = rows["val"], Masker(self.tok["special_tokens"], device)
         self.logf = open(os.path.join(args.out, "log.jsonl"), "a") if rank == 0 else None
-        self.log(f"crammed BERT: {self.c.layers} layers x {self.c.width}, "
-                 f"{n_params(self.c) / 1e6:.1f} M parameters, "
-                 f"{flops_per_token(self.c) / 1e9:.3f} GFLOP/token")
+        c = self.c
+        self.log(f"crammed BERT: {c.layers} layers x {c.width}, {n_params(c) / 1e6:.1f} M "
+                 f"parameters, {flops_per_token(c) / 1e9:.3f} GFLOP/token")
         if ckpt:
-            self.log(f"resumed {args.ckpt} at step {self.step}" +
-                     (f"; the run keeps its own {', '.join(kept)}" if kept else ""))
+            self.log(f"resumed {args.ckpt} at step {self.step}; the run keeps its own {kept}")
 
     def log(self, line, **record):
         if self.rank == 0:
@@ -541,12 +536,11 @@ class Trainer:
         for i in range(accum):
             # masks are a pure function of (seed, rank, step, micro-batch): resumable
             batch = self.masker(next(self.data), hash((a.seed, self.rank, self.step, i)))
-            # DDP: all-reduce the gradients once, after the last micro-batch
-            last = i == accum - 1 or self.world == 1
-            with contextlib.nullcontext() if last else self.model.no_sync():
-                with autocast(self.device):
-                    loss = self.model(**batch) / accum  # we want the MEAN over micro-batches
-                loss.backward()
+            if self.world > 1:  # DDP: all-reduce the gradients once, after the last micro-batch
+                self.model.require_backward_grad_sync = i == accum - 1
+            with autocast(self.device):
+                loss = self.model(**batch) / accum  # we want the MEAN over micro-batches
+            loss.backward()
             loss_sum += loss.detach()
         norm = nn.utils.clip_grad_norm_(self.raw.parameters(), CLIP)
         if torch.isfinite(norm):
@@ -627,11 +621,12 @@ class Trainer:
             self.log(f"stopped by signal {STOP[0]} at step {self.step}: {self.args.ckpt} saved; "
                      f"continue with --resume")
             raise SystemExit(128 + STOP[0])
-        if self.world > 1:  # replicas must hold identical weights after training
+        if self.world > 1:  # replicas must hold identical weights: the smallest sums = the largest
             sums = torch.stack([p.detach().double().sum() for p in self.raw.parameters()])
-            every = [torch.zeros_like(sums) for _ in range(self.world)]
-            dist.all_gather(every, sums)
-            agree = all(torch.equal(every[0], s) for s in every)
+            low = sums.clone()
+            dist.all_reduce(sums, dist.ReduceOp.MAX)
+            dist.all_reduce(low, dist.ReduceOp.MIN)
+            agree = torch.equal(sums, low)
             self.log(f"replicas agree: {agree}", ranks_agree=agree, world=self.world)
             if not agree:
                 die("DDP replicas diverged")
