@@ -252,7 +252,7 @@ def glue_score(results):
 
 
 def save(path, mine):
-    """Merge this run's splits into the file read again under the lock (with none: check it)."""
+    """Re-read the file under the lock and merge this run's splits in: others' saves stay."""
     with open(path + ".lock", "w") as lock:  # one that cannot be opened: one line by @entry
         fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another run saves; released at close
         data = {"results": {}}
