@@ -195,7 +195,8 @@ class Classifier(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx):  # encode_ordinary makes no [PAD]: it is only padding
+    def forward(self, idx):  # encode_ordinary makes no [PAD]: it is only padding, at the end
+        idx = idx[:, :int((idx != self.pad).sum(1).max())]  # as long as the longest row only
         return self.head(self.encoder(idx, idx != self.pad)[:, 0]).float()
 
 
@@ -284,8 +285,10 @@ def main(argv=None):
     arg("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
     arg("--random-init", action="store_true", help="no pretraining; into glue-random-init.json")
     args = ap.parse_args(argv)
-    if not set(args.tasks.split(",")) <= set(TASKS):
+    known = {t.lower(): t for t in TASKS}  # any case: sst-2, SST-2 and Sst-2 are SST-2
+    if not set(args.tasks.lower().split(",")) <= set(known):
         die(f"--tasks {args.tasks}: name one or more of {','.join(TASKS)}")
+    args.tasks = ",".join(known[t] for t in args.tasks.lower().split(","))
     ckpt = load_checkpoint(args.ckpt)
     device = pick_device(args.device)
     name = "glue-random-init.json" if args.random_init else "glue.json"
