@@ -39,6 +39,7 @@ INIT_STD = 0.02         # normal init of every linear and embedding weight
 LN_EPS = 1e-12          # LayerNorm epsilon of the official model
 MAX_BAD_STEPS = 20      # non-finite steps in a row before the run gives up
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
+BENCH_STEPS = 20        # timed steps of --bench, after 3 warm-up steps (compilation, caches)
 PRESETS = {
     # the paper's model and batch: a GPU day wants big batches, 8192 sequences per step
     "crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=MICRO_BATCH,
@@ -337,10 +338,10 @@ def check_data(ckpt, meta, tok, path, data):
 
 # ----------------------------------------------------------------------------- arguments
 ANY = (0, math.inf)  # finite and not negative
-LIMITS = {"lr": (1e-9, 1), "seed": (0, 2 ** 32 - 1), "vocab_size": (5, 65536), "ffn": (2, math.inf),
+LIMITS = {"lr": (1e-9, 1), "seed": (0, 2 ** 32 - 1), "ffn": (2, math.inf),
           "time": (1e-3, math.inf), "alibi": ANY, "log_every": ANY, "eval_every": ANY,
           **dict.fromkeys(["steps", "layers", "width", "heads", "micro_batch", "batch_size",
-                           "eval_rows", "save_every", "bench_steps", "peak_tflops"], (1, math.inf))}
+                           "eval_rows", "save_every", "peak_tflops"], (1, math.inf))}
 RUN = ["layers", "width", "heads", "ffn", "alibi", "time", "steps", "micro_batch", "batch_size",
        "lr", "seed"]  # what a run is: --resume takes them from the checkpoint
 
@@ -375,8 +376,6 @@ def get_args(argv=None):
     mode.add_argument("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK]")
     mode.add_argument("--bench", action="store_true", help="time training steps, random tokens")
     arg("--ckpt", help="checkpoint for --eval and --fill (default: OUT/ckpt.pt)")
-    arg("--bench-steps", type=int, default=20, help="timed steps in --bench (after 3 warm-up)")
-    arg("--vocab-size", type=int, default=32768, help="vocabulary for --bench")
     args = ap.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
@@ -639,11 +638,10 @@ class Trainer:
 # ----------------------------------------------------------------------------- bench, eval, fill
 def bench(args, device):
     """--bench: training steps on random tokens at the chosen size: tokens/s and MFU."""
-    c = ModelConfig(args.vocab_size, 128, args.layers, args.width, args.heads, args.ffn,
-                    alibi=args.alibi)
+    c = ModelConfig(layers=args.layers, width=args.width, heads=args.heads, ffn=args.ffn)
     model, raw, opt = build(c, args, device)
-    masker = Masker({s: args.vocab_size - 4 + i for i, s in enumerate(SPECIALS)}, device)
-    for i in range(3 + args.bench_steps):  # 3 warm-up steps: compilation, allocator, caches
+    masker = Masker({s: c.vocab_size - 4 + i for i, s in enumerate(SPECIALS)}, device)
+    for i in range(3 + BENCH_STEPS):
         if i == 3:
             t0 = time.time()
         with autocast(device):
@@ -652,7 +650,7 @@ def bench(args, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
         print(f"bench step {i}: loss {loss.item():.3f}", flush=True)  # .item() waits for the GPU
-    tok_s = args.micro_batch * 128 * args.bench_steps / (time.time() - t0)
+    tok_s = args.micro_batch * c.seq_len * BENCH_STEPS / (time.time() - t0)
     print(f"bench: {device} micro-batch {args.micro_batch} compile={model is not raw} "
           f"tokens/s={tok_s:.0f} mfu={mfu(tok_s, c, 1, device, args)}", flush=True)
     return tok_s
