@@ -48,8 +48,7 @@ def die(msg):
 
 
 class Parser(argparse.ArgumentParser):
-    """The three scripts' one flag check: a bad flag is one line naming it, never the usage.
-    Every number must be finite and within its range in `limits`, every text non-empty."""
+    """A bad flag is one line naming it: numbers finite and within `limits`, texts non-empty."""
 
     def __init__(self, doc, limits):
         super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,8 +71,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def entry(main):
-    """Wraps each script's main: Ctrl-C exits with 130 and an OS error (a full disk, a file that
-    cannot be read or written) with one line naming the file, never with a traceback."""
+    """Ctrl-C exits with 130, an OS error (a full disk, an unreadable file) is one line."""
     @functools.wraps(main)
     def guarded(argv=None):
         try:
@@ -124,8 +122,7 @@ class Progress:
 
 # ----------------------------------------------------------------------------- download
 def download(url, path, stop=None):
-    """Stream url to path.part, renamed to path when complete. A server error or a cut transfer
-    starts it again, each retry said in one line. Setting the event `stop` ends it (in a thread)."""
+    """url -> path.part -> path; a server error or a cut transfer is retried. `stop` ends it."""
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -145,7 +142,7 @@ def download(url, path, stop=None):
 
 
 def fetch(url, part, stop):
-    """One try of download(): None when `part` holds all of url, else what went wrong."""
+    """One try: None when `part` holds all of url, else what went wrong."""
     try:
         with requests.get(url, stream=True, timeout=(10, 60)) as r:
             if 400 <= r.status_code < 500 and r.status_code != 429:  # will not get better
@@ -181,33 +178,16 @@ def strip_marks(match):
 
 
 def normalize(text):
-    """NFD, drop combining marks (accents), lowercase, collapse whitespace: the paper's cleaning.
-    Only the non-ASCII runs are looked at character by character: ~30x faster than a regex of
-    all ~2,000 marks over the text, with the same output."""
+    """The paper's cleaning: NFD, drop accents, lowercase, collapse whitespace. Only non-ASCII runs
+    are looked at per character: ~30x faster than a regex of all ~2,000 marks."""
     if not text.isascii():
         text = NON_ASCII.sub(strip_marks, unicodedata.normalize("NFD", text))
     return " ".join(text.lower().split())
 
 
-def input_files(paths):
-    files = []
-    for p in paths:
-        if os.path.isdir(p):
-            files += sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs
-                            if f.endswith((".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json.gz")))
-        elif os.path.isfile(p):
-            files.append(p)
-        else:
-            die(f"input not found: {p}")
-    if not files:
-        die(f"no .txt/.jsonl/.json.gz files in {' '.join(paths)}")
-    return files
-
-
 def tasks(files):
-    """The documents of the files in order, in tasks of ~TASK_BYTES that end with their file, so
-    no shard is read before it is needed. A document is (is_json, raw bytes): a .json* line or a
-    blank-line separated .txt paragraph; the workers decode it. A corrupt file stops the run."""
+    """The files' documents in tasks of ~TASK_BYTES that end with their file (no shard is read
+    before it is needed). A document is (is_json, bytes): a .json* line or a .txt paragraph."""
     for path in files:
         is_json, para, task, size = ".json" in os.path.basename(path), [], [], 0
         with open(path, "rb") as raw:
@@ -217,7 +197,7 @@ def tasks(files):
                     line = line.strip()
                     if line:
                         para.append(line)
-                    if para and (is_json or not line):  # a .json* line, or a paragraph, is done
+                    if para and (is_json or not line):
                         task.append((is_json, b" ".join(para)))
                         size, para = size + len(task[-1][1]), []
                     if size >= TASK_BYTES:
@@ -234,7 +214,7 @@ ENCODERS = {}  # in each worker (a pool per run): the run's tokenizer, read once
 
 def work(recs, tok, limit):
     """In a worker: parse, normalise, hash, then count chunks (the tokenizer sample) or encode.
-    -> [(hash, characters, ids | token count if trash | None) | None if bad], chunk Counter."""
+    -> [None if no text, else (hash, characters, ids | token count if trash | None)], Counter."""
     if tok and tok["file"] not in ENCODERS:
         ranks = pathlib.Path(tok["file"]).read_text()
         ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=ranks))
@@ -245,10 +225,10 @@ def work(recs, tok, limit):
         except ValueError:  # broken JSON or UTF-8
             doc = None
         text = doc.get("text") if isinstance(doc, dict) else None
-        if not isinstance(text, str):
+        text = normalize(text) if isinstance(text, str) else ""
+        if not text:
             results.append(None)
             continue
-        text = normalize(text)
         key = hashlib.blake2b(text.encode(), digest_size=8).digest()
         if tok:
             ids = ENCODERS[tok["file"]].encode_ordinary(text)
@@ -261,8 +241,8 @@ def work(recs, tok, limit):
 
 
 def ordered(pool, files, workers, tok=None, limit=0.0):
-    """(records, work(records, tok, limit)) for the tasks of the files, in order, with at most 2
-    tasks per worker in flight so memory stays flat (Pool.imap would read all its input ahead)."""
+    """(records, work(records, tok, limit)) of each task in order, at most 2 per worker in flight
+    so memory stays flat (Pool.imap would read all its input ahead)."""
     pending = deque()
     for recs in tasks(files):
         pending.append((recs, pool.apply_async(work, (recs, tok, limit))))
@@ -276,12 +256,11 @@ def ordered(pool, files, workers, tok=None, limit=0.0):
 
 # ----------------------------------------------------------------------------- tokenizer
 def train_bpe(counts, n_vocab):
-    """Byte-level BPE on pre-tokenised chunk counts: merge the most frequent pair of adjacent
-    tokens into a new token, again and again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 ->
-    [4, 3, 4]; ties go to the smaller pair. Returns {token bytes: rank} in merge order.
-    For speed a chunk is a str of one character per token, so a merge is str.replace; only
-    the chunks holding the pair are touched (`where`), pair counts change by their net delta,
-    and a heap, its stale entries skipped, finds the next best pair."""
+    """Byte-level BPE on chunk counts: merge the most frequent pair of adjacent tokens into a new
+    token, again and again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 -> [4, 3, 4]; ties go
+    to the smaller pair. -> {token bytes: rank}. For speed a chunk is a str of one character per
+    token (a merge is str.replace), only the chunks holding the pair are touched (`where`), and
+    a heap, its stale entries skipped, finds the next best pair."""
     words, freq = ["".join(map(chr, w.encode())) for w in counts], list(counts.values())
     pairs, where = defaultdict(int), defaultdict(set)
     for i, w in enumerate(words):
@@ -332,14 +311,13 @@ def load_tokenizer(tok):
 
 def make_tokenizer(pool, files, args):
     """(tokenizer dict, its tokens per character) from the first --sample-mb of deduplicated text.
-    Workers count the chunks of whole tasks; the documents they should not have counted
-    (duplicates, those past the sample) are taken back here."""
+    Workers count whole tasks; duplicates and documents past the sample are taken back here."""
     counts, seen, chars, limit = Counter(), set(), 0, args.sample_mb * 1e6
     progress = Progress("tokenizer sample", args.sample_mb, "MB")
     for recs, (results, part) in ordered(pool, files, args.workers):
         for rec, result in zip(recs, results):
             if result and (chars >= limit or result[0] in seen):
-                part.subtract(work([rec], None, 0)[1])  # what the worker counted for it
+                part.subtract(work([rec], None, 0)[1])
             elif result:
                 seen.add(result[0])
                 chars += result[1]
@@ -365,8 +343,8 @@ def expect(ok, path, why):
 
 
 def read_prepared(folder):
-    """(meta, tokenizer dict, {"train", "val": read-only (N, seq_len) memmaps}) of a folder
-    written by prepare.py: the one check that its files agree with its meta.json."""
+    """(meta, tokenizer dict, {"train", "val": (N, seq_len) memmaps}) of a prepared folder: the
+    one check that its files agree with its meta.json."""
     where = os.path.join(folder, "meta.json")
     if not os.path.isfile(where):
         die(f"{folder}: no prepared data (no meta.json); run prepare.py --out {folder}")
@@ -396,7 +374,7 @@ def read_prepared(folder):
 
 
 def seal(f, name):
-    """Sync the file f to the disk, then rename it to `name`: a reader sees all of it or nothing."""
+    """Sync f to the disk, then rename it to `name`: a reader sees all of it or nothing."""
     f.flush()
     os.fsync(f.fileno())
     f.close()
@@ -405,8 +383,8 @@ def seal(f, name):
 
 
 def sweep(out):
-    """Remove what prepare.py wrote into `out` that the meta.json there does not name: after the
-    commit the old version, after a failure this run's own files, and leftovers of killed runs."""
+    """Remove our files that out/meta.json does not name: the old version after the commit, this
+    run's files after a failure, leftovers of killed runs."""
     try:
         meta = json.loads(pathlib.Path(out, "meta.json").read_text())
         keep = {meta["tokenizer_file"], meta["train"]["file"], meta["val"]["file"]}
@@ -419,8 +397,8 @@ def sweep(out):
 
 # ----------------------------------------------------------------------------- packing
 class Packer:
-    """Documents, each followed by [SEP], go to out/kind.tmp in whole rows; the rest of a row
-    waits for the next documents, and the last rest is dropped."""
+    """Documents, each followed by [SEP], go to out/kind.tmp in whole rows; the last rest is
+    dropped."""
 
     def __init__(self, out, kind, seq_len, sep):
         self.kind, self.L, self.sep = kind, seq_len, np.array([sep], np.uint16)
@@ -437,16 +415,15 @@ class Packer:
         self.sha.update(flat[:n].tobytes())
         self.rest = flat[n:]
 
-    def close(self):
-        """-> its entry in meta.json; the file is named after its content: train-1f2e3d4c.bin."""
+    def close(self):  # -> its entry in meta.json; named after its content: train-1f2e3d4c.bin
         rows, sha = self.f.tell() // (2 * self.L), self.sha.hexdigest()
         return {"file": seal(self.f, f"{self.kind}-{sha[:8]}.bin"), "rows": rows,
-                "tokens": rows * self.L, "bytes": rows * self.L * 2, "sha256": sha}
+                "bytes": rows * self.L * 2, "sha256": sha}
 
 
 def encode(pool, files, tok, limit, args):
-    """The main process's part, in document order: exact deduplication, the held-out split (every
-    VAL_EVERY-th kept document, and the first ones until val has a row), packing."""
+    """In document order: exact deduplication, the held-out split (every VAL_EVERY-th document,
+    and the first ones until val has a row), packing."""
     seen, s, sep = set(), Counter(), tok["special_tokens"]["[SEP]"]
     train, val = (Packer(args.out, kind, args.seq_len, sep) for kind in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
@@ -457,10 +434,8 @@ def encode(pool, files, tok, limit, args):
                 s["bad_lines"] += 1
                 continue
             key, n, ids = result
-            s["documents_read"] += 1
-            if not n or key in seen:
-                s["duplicates_dropped" if n else "empty_dropped"] += 1
-                s["duplicate_chars_dropped"] += n
+            if key in seen:
+                s["duplicates_dropped"] += 1
                 continue
             seen.add(key)
             if isinstance(ids, int):
@@ -483,8 +458,8 @@ def encode(pool, files, tok, limit, args):
 def parse_args(argv):
     ap = Parser(__doc__, LIMITS)
     arg = ap.add_argument
-    arg("--input", nargs="+", help=".txt (paragraphs), .jsonl, .json.gz, .gz of them, or folders "
-        "of them; default: download C4 shards")
+    arg("--input", nargs="+", help="files: .txt (paragraphs), .jsonl, .json.gz, .gz of them "
+        "(default: download C4 shards)")
     arg("--shards", type=int, help=f"C4 shards to download (default {SHARDS}; see the table)")
     arg("--out", default="data", help="output folder (%(default)s)")
     arg("--vocab-size", type=int, help=f"tokens incl. 4 specials ({VOCAB_SIZE}, or --tokenizer's)")
@@ -502,7 +477,7 @@ def parse_args(argv):
 
 def build(args, files, given, pool, fetcher, stop):
     """The tokenizer (trained, or `given` as (meta, tok) by --tokenizer), then the packed rows, in
-    files that the old meta.json does not name; -> the new meta."""
+    new files; -> the new meta."""
     count = args.shards or SHARDS
     shards = functools.partial(c4_shards, args.out, count, fetcher, stop)  # a pass each
     if given:
@@ -522,14 +497,12 @@ def build(args, files, given, pool, fetcher, stop):
     if not train["rows"] or not val["rows"]:
         die(f"too little data: {s['tokens']:,} tokens make {train['rows']} train and "
             f"{val['rows']} val rows of {args.seq_len}; give more text")
-    filters = ("documents_read", "bad_lines", "empty_dropped", "duplicates_dropped",
-               "duplicate_chars_dropped", "trash_dropped", "trash_chars_dropped")
+    filters = ("bad_lines", "duplicates_dropped", "trash_dropped", "trash_chars_dropped")
     return {"format": "cram-data-2", "vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS),
             "seq_len": args.seq_len, "special_tokens": tok["special_tokens"],
             "pattern": tok["pattern"], "tokenizer_file": tok_file, "train": train, "val": val,
-            "trash": args.trash, "trash_tokens_per_char": round(limit, 6),
-            "sample_tokens_per_char": round(per_char, 6), "documents": s["documents"],
-            "characters": s["characters"], "tokens": s["tokens"],
+            "trash": args.trash, "sample_tokens_per_char": round(per_char, 6),
+            "documents": s["documents"], "characters": s["characters"], "tokens": s["tokens"],
             "filters": {k: s[k] for k in filters},
             "sources": files or [C4_URL.format(i=i) for i in range(count)]}
 
@@ -537,7 +510,9 @@ def build(args, files, given, pool, fetcher, stop):
 @entry
 def main(argv=None):
     args = parse_args(argv)
-    files = input_files(args.input) if args.input else None
+    for path in args.input or []:
+        if not os.path.isfile(path):
+            die(f"input not found: {path}")
     given = read_prepared(args.tokenizer)[:2] if args.tokenizer else None
     if given and args.vocab_size not in (None, given[0]["vocab_size"]):
         die(f"--vocab-size {args.vocab_size}: the tokenizer of {args.tokenizer} has "
@@ -549,7 +524,7 @@ def main(argv=None):
         pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
         fetcher, stop = ThreadPoolExecutor(1), threading.Event()  # downloads the next C4 shard
         try:
-            meta = build(args, files, given, pool, fetcher, stop)
+            meta = build(args, args.input, given, pool, fetcher, stop)
             with open(os.path.join(args.out, "meta.json.tmp"), "w") as f:
                 f.write(json.dumps(meta, indent=1))
                 seal(f, "meta.json")  # the commit: from here on the folder holds the new data
@@ -559,8 +534,8 @@ def main(argv=None):
             pool.terminate()
             sweep(args.out)
     dropped, chars = meta["filters"]["trash_chars_dropped"], meta["characters"]
-    print(f"{args.out}: {meta['train']['rows']:,} train and {meta['val']['rows']:,} val rows; "
-          f"{meta['tokens']:,} tokens; {json.dumps(meta['filters'])}")
+    print(f"{args.out}: {meta['train']['rows']:,} train and {meta['val']['rows']:,} val rows, "
+          f"{json.dumps(meta['filters'])}")
     if dropped > TRASH_WARN * (chars + dropped):
         print(f"WARNING: the trash filter dropped {dropped:,} of {chars + dropped:,} characters; "
               f"if that is normal text, raise --trash (now {args.trash:g})", file=sys.stderr)
