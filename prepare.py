@@ -212,13 +212,13 @@ def tasks(files):
 ENCODERS = {}  # in each worker (a pool per run): the run's tokenizer, read once from its file
 
 
-def work(recs, tok, limit):
-    """In a worker: parse, normalise, hash, then count chunks (the tokenizer sample) or encode.
-    -> [None if no text, else (hash, characters, ids | token count if trash | None)], Counter."""
+def work(recs, tok):
+    """In a worker: parse, normalise and hash each document, then encode it, or without `tok` (the
+    tokenizer sample) count its chunks. -> [None if no text, else (hash, characters, made)]."""
     if tok and tok["file"] not in ENCODERS:
         ranks = pathlib.Path(tok["file"]).read_text()
         ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=ranks))
-    results, counts = [], Counter()
+    results = []
     for is_json, raw in recs:
         try:
             doc = json.loads(raw) if is_json else {"text": raw.decode("utf-8")}
@@ -231,27 +231,37 @@ def work(recs, tok, limit):
             continue
         key = hashlib.blake2b(text.encode(), digest_size=8).digest()
         if tok:
-            ids = ENCODERS[tok["file"]].encode_ordinary(text)
-            is_trash = len(ids) > limit * len(text)
-            results.append((key, len(text), len(ids) if is_trash else np.array(ids, np.uint16)))
+            made = np.array(ENCODERS[tok["file"]].encode_ordinary(text), np.uint16)
         else:
-            counts.update(re.findall(PATTERN, text))
-            results.append((key, len(text), None))
-    return results, counts
+            made = Counter(re.findall(PATTERN, text))
+        results.append((key, len(text), made))
+    return results
 
 
-def ordered(pool, files, workers, tok=None, limit=0.0):
-    """(records, work(records, tok, limit)) of each task in order, at most 2 per worker in flight
-    so memory stays flat (Pool.imap would read all its input ahead)."""
-    pending = deque()
+def new_documents(results, seen, s):
+    """Exact deduplication: [(characters, made)] of the results not seen before; s counts the rest."""
+    docs = []
+    for result in results:
+        if result is None:
+            s["bad_lines"] += 1
+        elif result[0] in seen:
+            s["duplicates_dropped"] += 1
+        else:
+            seen.add(result[0])
+            docs.append(result[1:])
+    return docs
+
+
+def ordered(pool, files, workers, tok, s):
+    """new_documents() of each task, in order, at most 2 tasks per worker in flight so memory
+    stays flat (Pool.imap would read all its input ahead)."""
+    pending, seen = deque(), set()
     for recs in tasks(files):
-        pending.append((recs, pool.apply_async(work, (recs, tok, limit))))
+        pending.append(pool.apply_async(work, (recs, tok)))
         if len(pending) >= 2 * workers:
-            recs, result = pending.popleft()
-            yield recs, result.get()
+            yield new_documents(pending.popleft().get(), seen, s)
     while pending:
-        recs, result = pending.popleft()
-        yield recs, result.get()
+        yield new_documents(pending.popleft().get(), seen, s)
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -310,18 +320,14 @@ def load_tokenizer(tok):
 
 
 def make_tokenizer(pool, files, args):
-    """(tokenizer dict, its tokens per character) from the first --sample-mb of deduplicated text.
-    Workers count whole tasks; duplicates and documents past the sample are taken back here."""
-    counts, seen, chars, limit = Counter(), set(), 0, args.sample_mb * 1e6
+    """(tokenizer dict, its tokens per character) from the first --sample-mb of new documents."""
+    counts, chars, limit = Counter(), 0, args.sample_mb * 1e6
     progress = Progress("tokenizer sample", args.sample_mb, "MB")
-    for recs, (results, part) in ordered(pool, files, args.workers):
-        for rec, result in zip(recs, results):
-            if result and (chars >= limit or result[0] in seen):
-                part.subtract(work([rec], None, 0)[1])
-            elif result:
-                seen.add(result[0])
-                chars += result[1]
-        counts.update(+part)  # +: without the chunks taken back to 0
+    for docs in ordered(pool, files, args.workers, None, Counter()):
+        for n, chunks in docs:
+            if chars < limit:
+                counts.update(chunks)
+                chars += n
         progress(chars / 1e6)
         if chars >= limit:
             break
@@ -424,21 +430,13 @@ class Packer:
 def encode(pool, files, tok, limit, args):
     """In document order: exact deduplication, the held-out split (every VAL_EVERY-th document,
     and the first ones until val has a row), packing."""
-    seen, s, sep = set(), Counter(), tok["special_tokens"]["[SEP]"]
+    s, sep = Counter(), tok["special_tokens"]["[SEP]"]
     train, val = (Packer(args.out, kind, args.seq_len, sep) for kind in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
-    for _, (results, _) in ordered(pool, files, args.workers, tok, limit):
+    for docs in ordered(pool, files, args.workers, tok, s):
         to_train, to_val = [], []
-        for result in results:
-            if result is None:
-                s["bad_lines"] += 1
-                continue
-            key, n, ids = result
-            if key in seen:
-                s["duplicates_dropped"] += 1
-                continue
-            seen.add(key)
-            if isinstance(ids, int):
+        for n, ids in docs:
+            if len(ids) > limit * n:
                 s.update(trash_dropped=1, trash_chars_dropped=n)
                 continue
             if s["val_tokens"] < VAL_CAP and (s["documents"] % VAL_EVERY == 0
