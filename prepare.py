@@ -27,9 +27,8 @@ C4_URL = ("https://huggingface.co/datasets/allenai/c4/resolve/main/en/"
 VOCAB_SIZE = 32768  # the paper's vocabulary size
 SEQ_LEN = 128  # the paper's row length: short rows are what make one day enough
 TRASH = 0.3  # the paper: drop documents with more than 0.3 tokens per character (at 32k)
-# English has ~0.21 tokens/char at 32k (0.212 on 105 MB of Wikipedia and books). The threshold
-# is --trash x the sample's own tokens/char / 0.21: ~1.4x typical English at any vocabulary size.
-TRASH_REF = 0.21
+TRASH_REF = 0.21  # English at 32k (0.212 on 105 MB of Wikipedia and books); the threshold is
+# --trash x the sample's own tokens/char / 0.21: ~1.4x typical English at any vocabulary size
 TRASH_WARN = 0.05  # dropping more than 5% of the text means the filter is hitting normal text
 SAMPLE_MB = 100  # the tokenizer learns from this much text: more barely changes the merges
 VAL_EVERY, VAL_CAP = 200, 1 << 20  # every 200th document is held out, up to ~1M tokens
@@ -38,8 +37,7 @@ SHARDS, C4_SHARDS = 33, 1024  # the paper's 5.5 B tokens at ~0.17 B per shard; C
 TASK_BYTES = 1 << 20  # text per worker task: hides the hand-over, small enough to stay flat
 LIMITS = {"vocab_size": (261, 65536), "seq_len": (2, 65536), "trash": (0.01, 100),  # uint16 ids
           "sample_mb": (0.001, 1e6), "shards": (1, C4_SHARDS), "workers": (1, 1024)}
-# What prepare.py writes beside meta.json: data files named after 8 hex of their sha256, so a new
-# version never overwrites an old one, and one .tmp per kind while it is written.
+# Ours beside meta.json: data files named by 8 hex of their sha256 (never overwritten), and .tmp
 OURS = re.compile(r"(train|val|tokenizer)(-[0-9a-f]{8}\.(bin|tiktoken)|\.tmp)|meta\.json\.tmp")
 
 
@@ -89,12 +87,11 @@ def claim(folder, who):
     try:
         os.makedirs(folder, exist_ok=True)
         lock = open(os.path.join(folder, "lock"), "w")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        die(f"--out {folder}: another {who} is writing into it; wait for it or use another --out")
     except OSError as e:
         die(f"--out {folder}: cannot write there ({e.strerror})")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        die(f"--out {folder}: another {who} is writing into it; wait for it or use another --out")
     return lock
 
 
@@ -122,15 +119,28 @@ class Progress:
 
 # ----------------------------------------------------------------------------- download
 def download(url, path, stop=None):
-    """url -> path.part -> path; a server error or a cut transfer is retried. `stop` ends it."""
+    """url -> path.part -> path. A server error or a cut transfer starts it again, each retry said
+    in one line. Setting the event `stop` ends it (it may run in a thread)."""
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    stop, part = stop or threading.Event(), path + ".part"  # each try starts .part from zero
+    stop = stop or threading.Event()
     for attempt in range(1, RETRIES + 1):
-        err = fetch(url, part, stop)
-        if err is None:
-            os.replace(part, path)
+        try:
+            with requests.get(url, stream=True, timeout=(10, 60)) as r:
+                if 400 <= r.status_code < 500 and r.status_code != 429:  # will not get better
+                    die(f"download failed: {url}: HTTP {r.status_code}")
+                if r.status_code != 200:
+                    raise requests.HTTPError(f"HTTP {r.status_code}")
+                with open(path + ".part", "wb") as f:  # each try starts it from zero
+                    for block in r.iter_content(1 << 16):  # a cut transfer raises
+                        if stop.is_set():
+                            raise KeyboardInterrupt
+                        f.write(block)
+        except (requests.RequestException, OSError) as e:
+            err = str(e)[:200]
+        else:
+            os.replace(path + ".part", path)
             return path
         wait = BACKOFF * 2 ** (attempt - 1)
         if attempt < RETRIES:
@@ -139,23 +149,6 @@ def download(url, path, stop=None):
             if stop.wait(wait):  # Ctrl-C in the main thread
                 raise KeyboardInterrupt
     die(f"download failed: {url}: {err}")
-
-
-def fetch(url, part, stop):
-    """One try: None when `part` holds all of url, else what went wrong."""
-    try:
-        with requests.get(url, stream=True, timeout=(10, 60)) as r:
-            if 400 <= r.status_code < 500 and r.status_code != 429:  # will not get better
-                die(f"download failed: {url}: HTTP {r.status_code}")
-            if r.status_code != 200:
-                return f"HTTP {r.status_code}"
-            with open(part, "wb") as f:
-                for block in r.iter_content(1 << 16):  # a cut transfer raises: Content-Length
-                    if stop.is_set():
-                        raise KeyboardInterrupt
-                    f.write(block)
-    except (requests.RequestException, OSError) as e:
-        return f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def c4_shards(out, count, fetcher, stop):
