@@ -1,13 +1,11 @@
-"""
-prepare.py: raw English text -> a BPE tokenizer trained on it -> packed, memmapped rows.
+"""prepare.py: raw English text -> a BPE tokenizer trained on it -> packed, memmapped rows.
+    python prepare.py                              # download C4 shards, write data/
+    python prepare.py --input corpus.jsonl.gz      # or use local files, fully offline
+    python prepare.py --input more.txt --tokenizer data/ --out heldout/   # reuse a vocabulary
 
 C4 shards (~0.17 B tokens, ~320 MB of gzip each) for a day that reads each token once:
     the paper's GPU at the v2 pace     5.5 B tokens/day     33 shards (the default)
     an H100 at 800k tokens/s            69 B tokens/day    406 shards
-
-    python prepare.py                              # download C4 shards, write data/
-    python prepare.py --input corpus.jsonl.gz      # or use local files, fully offline
-    python prepare.py --input more.txt --tokenizer data/ --out heldout/   # reuse a vocabulary
 """
 import argparse, base64, fcntl, functools, gzip, hashlib, heapq, itertools, json, math
 import multiprocessing, os, pathlib, re, signal, sys, threading, time, unicodedata, zlib
@@ -19,8 +17,7 @@ import requests
 import tiktoken
 
 SPECIALS = ["[PAD]", "[CLS]", "[SEP]", "[MASK]"]
-# GPT-2 style pre-tokenisation, written so Python's `re` (training) and tiktoken's Rust engine
-# (encoding) split text the same way: letters, digits, other symbols, whitespace.
+# GPT-2 style pre-tokenisation that Python's `re` (training) and tiktoken (encoding) split alike
 PATTERN = r"""'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+"""
 C4_URL = ("https://huggingface.co/datasets/allenai/c4/resolve/main/en/"
           "c4-train.{i:05d}-of-01024.json.gz")
@@ -231,39 +228,32 @@ def work(recs, tok):
     return results
 
 
-def new_documents(results, seen, s):
-    """Exact deduplication: [(characters, made)] of the results not seen before; s counts the rest."""
-    docs = []
-    for result in results:
-        if result is None:
-            s["bad_lines"] += 1
-        elif result[0] in seen:
-            s["duplicates_dropped"] += 1
-        else:
-            seen.add(result[0])
-            docs.append(result[1:])
-    return docs
-
-
 def ordered(pool, files, workers, tok, s):
-    """new_documents() of each task, in order, at most 2 tasks per worker in flight so memory
-    stays flat (Pool.imap would read all its input ahead)."""
-    pending, seen = deque(), set()
-    for recs in tasks(files):
-        pending.append(pool.apply_async(work, (recs, tok)))
-        if len(pending) >= 2 * workers:
-            yield new_documents(pending.popleft().get(), seen, s)
+    """Each task's new documents [(characters, made)], in order: exact deduplication, counting the
+    rest in s. At most 2 tasks per worker in flight (Pool.imap would read all its input ahead)."""
+    handed_out = (pool.apply_async(work, (recs, tok)) for recs in tasks(files))
+    pending, seen = deque(itertools.islice(handed_out, 2 * workers)), set()
     while pending:
-        yield new_documents(pending.popleft().get(), seen, s)
+        results = pending.popleft().get()
+        pending.extend(itertools.islice(handed_out, 1))  # the next task takes its place
+        docs = []
+        for result in results:
+            if result is None:
+                s["bad_lines"] += 1
+            elif result[0] in seen:
+                s["duplicates_dropped"] += 1
+            else:
+                seen.add(result[0])
+                docs.append(result[1:])
+        yield docs
 
 
 # ----------------------------------------------------------------------------- tokenizer
 def train_bpe(counts, n_vocab):
-    """Byte-level BPE on chunk counts: merge the most frequent pair of adjacent tokens into a new
-    token, again and again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 -> [4, 3, 4]; ties go
-    to the smaller pair. -> {token bytes: rank}. For speed a chunk is a str of one character per
-    token (a merge is str.replace), only the chunks holding the pair are touched (`where`), and
-    a heap, its stale entries skipped, finds the next best pair."""
+    """Byte-level BPE: merge the most frequent pair of adjacent tokens into a new one, again and
+    again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 -> [4, 3, 4]; ties go to the smaller pair.
+    For speed a chunk is a str of one character per token (a merge is str.replace), only chunks
+    holding the pair are touched (`where`), and a heap finds the next best pair."""
     words, freq = ["".join(map(chr, w.encode())) for w in counts], list(counts.values())
     pairs, where = defaultdict(int), defaultdict(set)
     for i, w in enumerate(words):
@@ -342,8 +332,7 @@ def expect(ok, path, why):
 
 
 def read_prepared(folder):
-    """(meta, tokenizer dict, {"train", "val": (N, seq_len) memmaps}) of a prepared folder: the
-    one check that its files agree with its meta.json."""
+    """(meta, tokenizer dict, {"train", "val": memmaps}): the one check of a folder's files."""
     where = os.path.join(folder, "meta.json")
     if not os.path.isfile(where):
         die(f"{folder}: no prepared data (no meta.json); run prepare.py --out {folder}")
@@ -382,8 +371,7 @@ def seal(f, name):
 
 
 def sweep(out):
-    """Remove our files that out/meta.json does not name: the old version after the commit, this
-    run's files after a failure, leftovers of killed runs."""
+    """Remove our files that out/meta.json does not name: an old version, a failed run's files."""
     try:
         meta = json.loads(pathlib.Path(out, "meta.json").read_text())
         keep = {meta["tokenizer_file"], meta["train"]["file"], meta["val"]["file"]}
@@ -396,8 +384,7 @@ def sweep(out):
 
 # ----------------------------------------------------------------------------- packing
 class Packer:
-    """Documents, each followed by [SEP], go to out/kind.tmp in whole rows; the last rest is
-    dropped."""
+    """Documents, each followed by [SEP], in whole rows to kind.tmp; the last rest is dropped."""
 
     def __init__(self, out, kind, seq_len, sep):
         self.kind, self.L, self.sep = kind, seq_len, np.array([sep], np.uint16)
@@ -449,14 +436,12 @@ def encode(pool, files, tok, limit, args):
 def parse_args(argv):
     ap = Parser(__doc__, LIMITS)
     arg = ap.add_argument
-    arg("--input", nargs="+", help="files: .txt (paragraphs), .jsonl, .json.gz, .gz of them "
-        "(default: download C4 shards)")
+    arg("--input", nargs="+", help=".txt (paragraphs), .jsonl, .json.gz, .gz files (default: C4)")
     arg("--shards", type=int, help=f"C4 shards to download (default {SHARDS}; see the table)")
     arg("--out", default="data", help="output folder (%(default)s)")
     arg("--vocab-size", type=int, help=f"tokens incl. 4 specials ({VOCAB_SIZE}, or --tokenizer's)")
     arg("--seq-len", type=int, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
-    arg("--trash", type=float, default=TRASH, help="drop documents of more tokens per character "
-        "(%(default)s), times the sample's tokens/char / 0.21")
+    arg("--trash", type=float, default=TRASH, help="tokens/char that drop a document (%(default)s)")
     arg("--sample-mb", type=float, default=SAMPLE_MB, help="tokenizer sample (%(default)s MB)")
     arg("--tokenizer", help="reuse the tokenizer of an earlier output folder instead of training")
     arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (%(default)s)")
@@ -467,8 +452,7 @@ def parse_args(argv):
 
 
 def build(args, files, given, pool, fetcher, stop):
-    """The tokenizer (trained, or `given` as (meta, tok) by --tokenizer), then the packed rows, in
-    new files; -> the new meta."""
+    """The tokenizer (trained, or `given` (meta, tok)), then the packed rows; -> the new meta."""
     count = args.shards or SHARDS
     shards = functools.partial(c4_shards, args.out, count, fetcher, stop)  # a pass each
     if given:
@@ -510,8 +494,7 @@ def main(argv=None):
             f"{given[0]['vocab_size']} tokens")
     args.vocab_size = args.vocab_size or VOCAB_SIZE
     with claim(args.out, "prepare.py"):
-        # The pool before any thread: forking a process that runs threads is unsafe. Workers
-        # ignore Ctrl-C: the main process stops them, without a traceback from each.
+        # The pool before any thread (forking a threaded process is unsafe); workers ignore Ctrl-C
         pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
         fetcher, stop = ThreadPoolExecutor(1), threading.Event()  # downloads the next C4 shard
         try:
@@ -525,8 +508,7 @@ def main(argv=None):
             pool.terminate()
             sweep(args.out)
     dropped, chars = meta["filters"]["trash_chars_dropped"], meta["characters"]
-    print(f"{args.out}: {meta['train']['rows']:,} train and {meta['val']['rows']:,} val rows, "
-          f"{json.dumps(meta['filters'])}")
+    print(f"{args.out}: {meta['tokens']:,} tokens, {json.dumps(meta['filters'])}")
     if dropped > TRASH_WARN * (chars + dropped):
         print(f"WARNING: the trash filter dropped {dropped:,} of {chars + dropped:,} characters; "
               f"if that is normal text, raise --trash (now {args.trash:g})", file=sys.stderr)
