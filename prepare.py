@@ -59,8 +59,7 @@ class Parser(argparse.ArgumentParser):
             lo, hi = self.limits.get(name, (-math.inf, math.inf))
             if value == "":
                 die(f"{flag}: empty")
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if number and not (math.isfinite(value) and lo <= value <= hi):  # nan fails too
+            if type(value) in (int, float) and not (math.isfinite(value) and lo <= value <= hi):
                 die(f"{flag} {value}: must be in {lo}..{hi}")
         return args
 
@@ -114,7 +113,6 @@ class Progress:
         print(line + extra, file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------- download
 def download(url, path, stop=None):
     """url -> path.part -> path. A server error or a cut transfer starts it again, each retry said
     in one line. Setting the event `stop` ends it (it may run in a thread)."""
@@ -159,7 +157,6 @@ def c4_shards(out, count, fetcher, stop):
         yield done
 
 
-# ----------------------------------------------------------------------------- reading
 NON_ASCII = re.compile(r"[^\x00-\x7f]+")
 
 
@@ -248,7 +245,6 @@ def ordered(pool, files, workers, tok, s):
         yield docs
 
 
-# ----------------------------------------------------------------------------- tokenizer
 def train_bpe(counts, n_vocab):
     """Byte-level BPE: merge the most frequent pair of adjacent tokens into a new one, again and
     again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 -> [4, 3, 4]; ties go to the smaller pair.
@@ -321,11 +317,9 @@ def make_tokenizer(pool, files, args):
     specials = {s: len(ranks) + i for i, s in enumerate(SPECIALS)}
     tok = {"ranks": "".join(lines), "pattern": PATTERN, "special_tokens": specials}
     enc = load_tokenizer(tok)  # the sample's tokens per character set the trash threshold
-    tokens = sum(n * len(enc.encode_ordinary(chunk)) for chunk, n in counts.items())
-    return tok, tokens / chars
+    return tok, sum(n * len(enc.encode_ordinary(c)) for c, n in counts.items()) / chars
 
 
-# ----------------------------------------------------------------------------- the folder
 def expect(ok, path, why):
     if not ok:
         die(f"{path}: {why}; run prepare.py again")
@@ -382,20 +376,15 @@ def sweep(out):
             os.remove(os.path.join(out, name))
 
 
-# ----------------------------------------------------------------------------- packing
 class Packer:
-    """Documents, each followed by [SEP], in whole rows to kind.tmp; the last rest is dropped."""
+    """Token arrays, in whole rows of seq_len, to out/kind.tmp; the last rest is dropped."""
 
-    def __init__(self, out, kind, seq_len, sep):
-        self.kind, self.L, self.sep = kind, seq_len, np.array([sep], np.uint16)
-        self.rest = np.zeros(0, np.uint16)
+    def __init__(self, out, kind, seq_len):
+        self.kind, self.L, self.rest = kind, seq_len, np.zeros(0, np.uint16)
         self.f, self.sha = open(os.path.join(out, kind + ".tmp"), "wb"), hashlib.sha256()
 
-    def add(self, docs):
-        parts = [self.rest]
-        for ids in docs:
-            parts += [ids, self.sep]
-        flat = np.concatenate(parts)
+    def add(self, parts):
+        flat = np.concatenate([self.rest, *parts])
         n = len(flat) // self.L * self.L
         self.f.write(flat[:n].tobytes())
         self.sha.update(flat[:n].tobytes())
@@ -408,10 +397,10 @@ class Packer:
 
 
 def encode(pool, files, tok, limit, args):
-    """In document order: exact deduplication, the held-out split (every VAL_EVERY-th document,
-    and the first ones until val has a row), packing."""
-    s, sep = Counter(), tok["special_tokens"]["[SEP]"]
-    train, val = (Packer(args.out, kind, args.seq_len, sep) for kind in ("train", "val"))
+    """In document order, each followed by [SEP]: the trash filter, the held-out split (every
+    VAL_EVERY-th document, and the first ones until val has a row), packing."""
+    s, sep = Counter(), np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
+    train, val = (Packer(args.out, kind, args.seq_len) for kind in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
     for docs in ordered(pool, files, args.workers, tok, s):
         to_train, to_val = [], []
@@ -421,10 +410,10 @@ def encode(pool, files, tok, limit, args):
                 continue
             if s["val_tokens"] < VAL_CAP and (s["documents"] % VAL_EVERY == 0
                                               or s["val_tokens"] < args.seq_len):
-                to_val.append(ids)
+                to_val += [ids, sep]
                 s["val_tokens"] += len(ids) + 1
             else:
-                to_train.append(ids)
+                to_train += [ids, sep]
             s.update(documents=1, characters=n, tokens=len(ids))
         train.add(to_train)
         val.add(to_val)
@@ -432,7 +421,6 @@ def encode(pool, files, tok, limit, args):
     return train.close(), val.close(), s
 
 
-# ----------------------------------------------------------------------------- main
 def parse_args(argv):
     ap = Parser(__doc__, LIMITS)
     arg = ap.add_argument
@@ -474,11 +462,10 @@ def build(args, files, given, pool, fetcher, stop):
             f"{val['rows']} val rows of {args.seq_len}; give more text")
     filters = ("bad_lines", "duplicates_dropped", "trash_dropped", "trash_chars_dropped")
     return {"format": "cram-data-2", "vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS),
-            "seq_len": args.seq_len, "special_tokens": tok["special_tokens"],
+            "seq_len": args.seq_len, "special_tokens": tok["special_tokens"], "trash": args.trash,
             "pattern": tok["pattern"], "tokenizer_file": tok_file, "train": train, "val": val,
-            "trash": args.trash, "sample_tokens_per_char": round(per_char, 6),
+            "sample_tokens_per_char": round(per_char, 6), "filters": {k: s[k] for k in filters},
             "documents": s["documents"], "characters": s["characters"], "tokens": s["tokens"],
-            "filters": {k: s[k] for k in filters},
             "sources": files or [C4_URL.format(i=i) for i in range(count)]}
 
 
