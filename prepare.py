@@ -13,8 +13,7 @@ from collections import Counter, defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import requests
-import tiktoken
+import requests, tiktoken
 
 SPECIALS = ["[PAD]", "[CLS]", "[SEP]", "[MASK]"]
 # GPT-2 style pre-tokenisation that Python's `re` (training) and tiktoken (encoding) split alike
@@ -114,8 +113,7 @@ class Progress:
 
 
 def download(url, path, stop=None):
-    """url -> path.part -> path. A server error or a cut transfer starts it again, each retry said
-    in one line. Setting the event `stop` ends it (it may run in a thread)."""
+    """url -> path.part -> path, retried (each retry said); setting the event `stop` ends it."""
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -132,11 +130,10 @@ def download(url, path, stop=None):
                         if stop.is_set():
                             raise KeyboardInterrupt
                         f.write(block)
-        except (requests.RequestException, OSError) as e:
-            err = str(e)[:200]
-        else:
             os.replace(path + ".part", path)
             return path
+        except (requests.RequestException, OSError) as e:
+            err = str(e)[:200]
         wait = BACKOFF * 2 ** (attempt - 1)
         if attempt < RETRIES:
             print(f"download {url}: {err} (attempt {attempt} of {RETRIES}); waiting {wait:g}s",
@@ -173,8 +170,7 @@ def normalize(text):
 
 
 def tasks(files):
-    """The files' documents in tasks of ~TASK_BYTES that end with their file (no shard is read
-    before it is needed). A document is (is_json, bytes): a .json* line or a .txt paragraph."""
+    """(is_json, bytes) of each .json* line or .txt paragraph, in tasks that end with their file."""
     for path in files:
         is_json, para, task, size = ".json" in os.path.basename(path), [], [], 0
         with open(path, "rb") as raw:
@@ -200,8 +196,7 @@ ENCODERS = {}  # in each worker (a pool per run): the run's tokenizer, read once
 
 
 def work(recs, tok):
-    """In a worker: parse, normalise and hash each document, then encode it, or without `tok` (the
-    tokenizer sample) count its chunks. -> [None if no text, else (hash, characters, made)]."""
+    """In a worker, per document: None (no text) or (hash, characters, ids or chunk Counter)."""
     if tok and tok["file"] not in ENCODERS:
         ranks = pathlib.Path(tok["file"]).read_text()
         ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=ranks))
@@ -226,11 +221,10 @@ def work(recs, tok):
 
 
 def ordered(pool, files, workers, tok, s):
-    """Each task's new documents [(characters, made)], in order: exact deduplication, counting the
-    rest in s. At most 2 tasks per worker in flight (Pool.imap would read all its input ahead)."""
+    """Each task's new documents [(characters, made)] in order, deduplicated; s counts the rest."""
     handed_out = (pool.apply_async(work, (recs, tok)) for recs in tasks(files))
     pending, seen = deque(itertools.islice(handed_out, 2 * workers)), set()
-    while pending:
+    while pending:  # at most 2 tasks per worker in flight: Pool.imap would read all ahead
         results = pending.popleft().get()
         pending.extend(itertools.islice(handed_out, 1))  # the next task takes its place
         docs = []
@@ -248,8 +242,7 @@ def ordered(pool, files, workers, tok, s):
 def train_bpe(counts, n_vocab):
     """Byte-level BPE: merge the most frequent pair of adjacent tokens into a new one, again and
     again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 -> [4, 3, 4]; ties go to the smaller pair.
-    For speed a chunk is a str of one character per token (a merge is str.replace), only chunks
-    holding the pair are touched (`where`), and a heap finds the next best pair."""
+    For speed a chunk is a str of a char per token, a merge str.replace; a heap finds the best."""
     words, freq = ["".join(map(chr, w.encode())) for w in counts], list(counts.values())
     pairs, where = defaultdict(int), defaultdict(set)
     for i, w in enumerate(words):
@@ -391,14 +384,12 @@ class Packer:
         self.rest = flat[n:]
 
     def close(self):  # -> its entry in meta.json; named after its content: train-1f2e3d4c.bin
-        rows, sha = self.f.tell() // (2 * self.L), self.sha.hexdigest()
-        return {"file": seal(self.f, f"{self.kind}-{sha[:8]}.bin"), "rows": rows,
-                "bytes": rows * self.L * 2, "sha256": sha}
+        rows, name = self.f.tell() // (2 * self.L), f"{self.kind}-{self.sha.hexdigest()[:8]}.bin"
+        return {"file": seal(self.f, name), "rows": rows, "bytes": rows * self.L * 2}
 
 
 def encode(pool, files, tok, limit, args):
-    """In document order, each followed by [SEP]: the trash filter, the held-out split (every
-    VAL_EVERY-th document, and the first ones until val has a row), packing."""
+    """Per document: the trash filter, then val (every VAL_EVERY-th, and until val has a row)."""
     s, sep = Counter(), np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
     train, val = (Packer(args.out, kind, args.seq_len) for kind in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
@@ -458,8 +449,7 @@ def build(args, files, given, pool, fetcher, stop):
         die(f"the trash filter dropped all {s['trash_dropped']:,} documents (more than "
             f"{limit:.3f} tokens per character); raise --trash (now {args.trash:g})")
     if not train["rows"] or not val["rows"]:
-        die(f"too little data: {s['tokens']:,} tokens make {train['rows']} train and "
-            f"{val['rows']} val rows of {args.seq_len}; give more text")
+        die(f"too little data for a train and a val row of {args.seq_len} tokens; give more text")
     filters = ("bad_lines", "duplicates_dropped", "trash_dropped", "trash_chars_dropped")
     return {"format": "cram-data-2", "vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS),
             "seq_len": args.seq_len, "special_tokens": tok["special_tokens"], "trash": args.trash,
@@ -477,8 +467,7 @@ def main(argv=None):
             die(f"input not found: {path}")
     given = read_prepared(args.tokenizer)[:2] if args.tokenizer else None
     if given and args.vocab_size not in (None, given[0]["vocab_size"]):
-        die(f"--vocab-size {args.vocab_size}: the tokenizer of {args.tokenizer} has "
-            f"{given[0]['vocab_size']} tokens")
+        die(f"--vocab-size {args.vocab_size}: {args.tokenizer} has {given[0]['vocab_size']} tokens")
     args.vocab_size = args.vocab_size or VOCAB_SIZE
     with claim(args.out, "prepare.py"):
         # The pool before any thread (forking a threaded process is unsafe); workers ignore Ctrl-C
