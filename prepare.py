@@ -1,13 +1,11 @@
-"""
-prepare.py: raw English text -> a BPE tokenizer trained on it -> packed, memmapped rows.
+"""prepare.py: raw English text -> a BPE tokenizer trained on it -> packed, memmapped rows.
+    python prepare.py                              # download C4 shards, write data/
+    python prepare.py --input corpus.jsonl.gz      # or use local files, fully offline
+    python prepare.py --input more.txt --tokenizer data/ --out heldout/   # reuse a vocabulary
 
 C4 shards (~0.17 B tokens, ~320 MB of gzip each) for a day that reads each token once:
     the paper's GPU at the v2 pace     5.5 B tokens/day     33 shards (the default)
     an H100 at 800k tokens/s            69 B tokens/day    406 shards
-
-    python prepare.py                              # download C4 shards, write data/
-    python prepare.py --input corpus.jsonl.gz      # or use local files, fully offline
-    python prepare.py --input more.txt --tokenizer data/ --out heldout/   # reuse a vocabulary
 """
 import argparse, base64, fcntl, functools, gzip, hashlib, heapq, itertools, json, math
 import multiprocessing, os, pathlib, re, signal, sys, threading, time, unicodedata, zlib
@@ -15,21 +13,18 @@ from collections import Counter, defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import requests
-import tiktoken
+import requests, tiktoken
 
 SPECIALS = ["[PAD]", "[CLS]", "[SEP]", "[MASK]"]
-# GPT-2 style pre-tokenisation, written so Python's `re` (training) and tiktoken's Rust engine
-# (encoding) split text the same way: letters, digits, other symbols, whitespace.
+# GPT-2 style pre-tokenisation that Python's `re` (training) and tiktoken (encoding) split alike
 PATTERN = r"""'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+"""
 C4_URL = ("https://huggingface.co/datasets/allenai/c4/resolve/main/en/"
           "c4-train.{i:05d}-of-01024.json.gz")
 VOCAB_SIZE = 32768  # the paper's vocabulary size
 SEQ_LEN = 128  # the paper's row length: short rows are what make one day enough
 TRASH = 0.3  # the paper: drop documents with more than 0.3 tokens per character (at 32k)
-# English has ~0.21 tokens/char at 32k (0.212 on 105 MB of Wikipedia and books). The threshold
-# is --trash x the sample's own tokens/char / 0.21: ~1.4x typical English at any vocabulary size.
-TRASH_REF = 0.21
+TRASH_REF = 0.21  # English at 32k (0.212 on 105 MB of Wikipedia and books); the threshold is
+# --trash x the sample's own tokens/char / 0.21: ~1.4x typical English at any vocabulary size
 TRASH_WARN = 0.05  # dropping more than 5% of the text means the filter is hitting normal text
 SAMPLE_MB = 100  # the tokenizer learns from this much text: more barely changes the merges
 VAL_EVERY, VAL_CAP = 200, 1 << 20  # every 200th document is held out, up to ~1M tokens
@@ -38,8 +33,7 @@ SHARDS, C4_SHARDS = 33, 1024  # the paper's 5.5 B tokens at ~0.17 B per shard; C
 TASK_BYTES = 1 << 20  # text per worker task: hides the hand-over, small enough to stay flat
 LIMITS = {"vocab_size": (261, 65536), "seq_len": (2, 65536), "trash": (0.01, 100),  # uint16 ids
           "sample_mb": (0.001, 1e6), "shards": (1, C4_SHARDS), "workers": (1, 1024)}
-# What prepare.py writes beside meta.json: data files named after 8 hex of their sha256, so a new
-# version never overwrites an old one, and one .tmp per kind while it is written.
+# Ours beside meta.json: data files named by 8 hex of their sha256 (never overwritten), and .tmp
 OURS = re.compile(r"(train|val|tokenizer)(-[0-9a-f]{8}\.(bin|tiktoken)|\.tmp)|meta\.json\.tmp")
 
 
@@ -48,8 +42,7 @@ def die(msg):
 
 
 class Parser(argparse.ArgumentParser):
-    """The three scripts' one flag check: a bad flag is one line naming it, never the usage.
-    Every number must be finite and within its range in `limits`, every text non-empty."""
+    """A bad flag is one line naming it: numbers finite and within `limits`, texts non-empty."""
 
     def __init__(self, doc, limits):
         super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,15 +58,13 @@ class Parser(argparse.ArgumentParser):
             lo, hi = self.limits.get(name, (-math.inf, math.inf))
             if value == "":
                 die(f"{flag}: empty")
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if number and not (math.isfinite(value) and lo <= value <= hi):  # nan fails too
+            if type(value) in (int, float) and not (math.isfinite(value) and lo <= value <= hi):
                 die(f"{flag} {value}: must be in {lo}..{hi}")
         return args
 
 
 def entry(main):
-    """Wraps each script's main: Ctrl-C exits with 130 and an OS error (a full disk, a file that
-    cannot be read or written) with one line naming the file, never with a traceback."""
+    """Ctrl-C exits with 130, an OS error (a full disk, an unreadable file) is one line."""
     @functools.wraps(main)
     def guarded(argv=None):
         try:
@@ -91,12 +82,11 @@ def claim(folder, who):
     try:
         os.makedirs(folder, exist_ok=True)
         lock = open(os.path.join(folder, "lock"), "w")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        die(f"--out {folder}: another {who} is writing into it; wait for it or use another --out")
     except OSError as e:
         die(f"--out {folder}: cannot write there ({e.strerror})")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        die(f"--out {folder}: another {who} is writing into it; wait for it or use another --out")
     return lock
 
 
@@ -122,19 +112,28 @@ class Progress:
         print(line + extra, file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------- download
 def download(url, path, stop=None):
-    """Stream url to path.part, renamed to path when complete. A server error or a cut transfer
-    starts it again, each retry said in one line. Setting the event `stop` ends it (in a thread)."""
+    """url -> path.part -> path, retried (each retry said); setting the event `stop` ends it."""
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    stop, part = stop or threading.Event(), path + ".part"  # each try starts .part from zero
+    stop = stop or threading.Event()
     for attempt in range(1, RETRIES + 1):
-        err = fetch(url, part, stop)
-        if err is None:
-            os.replace(part, path)
+        try:
+            with requests.get(url, stream=True, timeout=(10, 60)) as r:
+                if 400 <= r.status_code < 500 and r.status_code != 429:  # will not get better
+                    die(f"download failed: {url}: HTTP {r.status_code}")
+                if r.status_code != 200:
+                    raise requests.HTTPError(f"HTTP {r.status_code}")
+                with open(path + ".part", "wb") as f:  # each try starts it from zero
+                    for block in r.iter_content(1 << 16):  # a cut transfer raises
+                        if stop.is_set():
+                            raise KeyboardInterrupt
+                        f.write(block)
+            os.replace(path + ".part", path)
             return path
+        except (requests.RequestException, OSError) as e:
+            err = str(e)[:200]
         wait = BACKOFF * 2 ** (attempt - 1)
         if attempt < RETRIES:
             print(f"download {url}: {err} (attempt {attempt} of {RETRIES}); waiting {wait:g}s",
@@ -142,23 +141,6 @@ def download(url, path, stop=None):
             if stop.wait(wait):  # Ctrl-C in the main thread
                 raise KeyboardInterrupt
     die(f"download failed: {url}: {err}")
-
-
-def fetch(url, part, stop):
-    """One try of download(): None when `part` holds all of url, else what went wrong."""
-    try:
-        with requests.get(url, stream=True, timeout=(10, 60)) as r:
-            if 400 <= r.status_code < 500 and r.status_code != 429:  # will not get better
-                die(f"download failed: {url}: HTTP {r.status_code}")
-            if r.status_code != 200:
-                return f"HTTP {r.status_code}"
-            with open(part, "wb") as f:
-                for block in r.iter_content(1 << 16):  # a cut transfer raises: Content-Length
-                    if stop.is_set():
-                        raise KeyboardInterrupt
-                    f.write(block)
-    except (requests.RequestException, OSError) as e:
-        return f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def c4_shards(out, count, fetcher, stop):
@@ -172,7 +154,6 @@ def c4_shards(out, count, fetcher, stop):
         yield done
 
 
-# ----------------------------------------------------------------------------- reading
 NON_ASCII = re.compile(r"[^\x00-\x7f]+")
 
 
@@ -181,33 +162,15 @@ def strip_marks(match):
 
 
 def normalize(text):
-    """NFD, drop combining marks (accents), lowercase, collapse whitespace: the paper's cleaning.
-    Only the non-ASCII runs are looked at character by character: ~30x faster than a regex of
-    all ~2,000 marks over the text, with the same output."""
+    """The paper's cleaning: NFD, drop accents, lowercase, collapse whitespace. Only non-ASCII runs
+    are looked at per character: ~30x faster than a regex of all ~2,000 marks."""
     if not text.isascii():
         text = NON_ASCII.sub(strip_marks, unicodedata.normalize("NFD", text))
     return " ".join(text.lower().split())
 
 
-def input_files(paths):
-    files = []
-    for p in paths:
-        if os.path.isdir(p):
-            files += sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs
-                            if f.endswith((".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json.gz")))
-        elif os.path.isfile(p):
-            files.append(p)
-        else:
-            die(f"input not found: {p}")
-    if not files:
-        die(f"no .txt/.jsonl/.json.gz files in {' '.join(paths)}")
-    return files
-
-
 def tasks(files):
-    """The documents of the files in order, in tasks of ~TASK_BYTES that end with their file, so
-    no shard is read before it is needed. A document is (is_json, raw bytes): a .json* line or a
-    blank-line separated .txt paragraph; the workers decode it. A corrupt file stops the run."""
+    """(is_json, bytes) of each .json* line or .txt paragraph, in tasks that end with their file."""
     for path in files:
         is_json, para, task, size = ".json" in os.path.basename(path), [], [], 0
         with open(path, "rb") as raw:
@@ -217,7 +180,7 @@ def tasks(files):
                     line = line.strip()
                     if line:
                         para.append(line)
-                    if para and (is_json or not line):  # a .json* line, or a paragraph, is done
+                    if para and (is_json or not line):
                         task.append((is_json, b" ".join(para)))
                         size, para = size + len(task[-1][1]), []
                     if size >= TASK_BYTES:
@@ -232,56 +195,54 @@ def tasks(files):
 ENCODERS = {}  # in each worker (a pool per run): the run's tokenizer, read once from its file
 
 
-def work(recs, tok, limit):
-    """In a worker: parse, normalise, hash, then count chunks (the tokenizer sample) or encode.
-    -> [(hash, characters, ids | token count if trash | None) | None if bad], chunk Counter."""
+def work(recs, tok):
+    """In a worker, per document: None (no text) or (hash, characters, ids or chunk Counter)."""
     if tok and tok["file"] not in ENCODERS:
         ranks = pathlib.Path(tok["file"]).read_text()
         ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=ranks))
-    results, counts = [], Counter()
+    results = []
     for is_json, raw in recs:
         try:
             doc = json.loads(raw) if is_json else {"text": raw.decode("utf-8")}
         except ValueError:  # broken JSON or UTF-8
             doc = None
         text = doc.get("text") if isinstance(doc, dict) else None
-        if not isinstance(text, str):
+        text = normalize(text) if isinstance(text, str) else ""
+        if not text:
             results.append(None)
             continue
-        text = normalize(text)
         key = hashlib.blake2b(text.encode(), digest_size=8).digest()
         if tok:
-            ids = ENCODERS[tok["file"]].encode_ordinary(text)
-            is_trash = len(ids) > limit * len(text)
-            results.append((key, len(text), len(ids) if is_trash else np.array(ids, np.uint16)))
+            made = np.array(ENCODERS[tok["file"]].encode_ordinary(text), np.uint16)
         else:
-            counts.update(re.findall(PATTERN, text))
-            results.append((key, len(text), None))
-    return results, counts
+            made = Counter(re.findall(PATTERN, text))
+        results.append((key, len(text), made))
+    return results
 
 
-def ordered(pool, files, workers, tok=None, limit=0.0):
-    """(records, work(records, tok, limit)) for the tasks of the files, in order, with at most 2
-    tasks per worker in flight so memory stays flat (Pool.imap would read all its input ahead)."""
-    pending = deque()
-    for recs in tasks(files):
-        pending.append((recs, pool.apply_async(work, (recs, tok, limit))))
-        if len(pending) >= 2 * workers:
-            recs, result = pending.popleft()
-            yield recs, result.get()
-    while pending:
-        recs, result = pending.popleft()
-        yield recs, result.get()
+def ordered(pool, files, workers, tok, s):
+    """Each task's new documents [(characters, made)] in order, deduplicated; s counts the rest."""
+    handed_out = (pool.apply_async(work, (recs, tok)) for recs in tasks(files))
+    pending, seen = deque(itertools.islice(handed_out, 2 * workers)), set()
+    while pending:  # at most 2 tasks per worker in flight: Pool.imap would read all ahead
+        results = pending.popleft().get()
+        pending.extend(itertools.islice(handed_out, 1))  # the next task takes its place
+        docs = []
+        for result in results:
+            if result is None:
+                s["bad_lines"] += 1
+            elif result[0] in seen:
+                s["duplicates_dropped"] += 1
+            else:
+                seen.add(result[0])
+                docs.append(result[1:])
+        yield docs
 
 
-# ----------------------------------------------------------------------------- tokenizer
 def train_bpe(counts, n_vocab):
-    """Byte-level BPE on pre-tokenised chunk counts: merge the most frequent pair of adjacent
-    tokens into a new token, again and again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 ->
-    [4, 3, 4]; ties go to the smaller pair. Returns {token bytes: rank} in merge order.
-    For speed a chunk is a str of one character per token, so a merge is str.replace; only
-    the chunks holding the pair are touched (`where`), pair counts change by their net delta,
-    and a heap, its stale entries skipped, finds the next best pair."""
+    """Byte-level BPE: merge the most frequent pair of adjacent tokens into a new one, again and
+    again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 -> [4, 3, 4]; ties go to the smaller pair.
+    For speed a chunk is a str of a char per token, a merge str.replace; a heap finds the best."""
     words, freq = ["".join(map(chr, w.encode())) for w in counts], list(counts.values())
     pairs, where = defaultdict(int), defaultdict(set)
     for i, w in enumerate(words):
@@ -331,19 +292,14 @@ def load_tokenizer(tok):
 
 
 def make_tokenizer(pool, files, args):
-    """(tokenizer dict, its tokens per character) from the first --sample-mb of deduplicated text.
-    Workers count the chunks of whole tasks; the documents they should not have counted
-    (duplicates, those past the sample) are taken back here."""
-    counts, seen, chars, limit = Counter(), set(), 0, args.sample_mb * 1e6
+    """(tokenizer dict, its tokens per character) from the first --sample-mb of new documents."""
+    counts, chars, limit = Counter(), 0, args.sample_mb * 1e6
     progress = Progress("tokenizer sample", args.sample_mb, "MB")
-    for recs, (results, part) in ordered(pool, files, args.workers):
-        for rec, result in zip(recs, results):
-            if result and (chars >= limit or result[0] in seen):
-                part.subtract(work([rec], None, 0)[1])  # what the worker counted for it
-            elif result:
-                seen.add(result[0])
-                chars += result[1]
-        counts.update(+part)  # +: without the chunks taken back to 0
+    for docs in ordered(pool, files, args.workers, None, Counter()):
+        for n, chunks in docs:
+            if chars < limit:
+                counts.update(chunks)
+                chars += n
         progress(chars / 1e6)
         if chars >= limit:
             break
@@ -354,19 +310,16 @@ def make_tokenizer(pool, files, args):
     specials = {s: len(ranks) + i for i, s in enumerate(SPECIALS)}
     tok = {"ranks": "".join(lines), "pattern": PATTERN, "special_tokens": specials}
     enc = load_tokenizer(tok)  # the sample's tokens per character set the trash threshold
-    tokens = sum(n * len(enc.encode_ordinary(chunk)) for chunk, n in counts.items())
-    return tok, tokens / chars
+    return tok, sum(n * len(enc.encode_ordinary(c)) for c, n in counts.items()) / chars
 
 
-# ----------------------------------------------------------------------------- the folder
 def expect(ok, path, why):
     if not ok:
         die(f"{path}: {why}; run prepare.py again")
 
 
 def read_prepared(folder):
-    """(meta, tokenizer dict, {"train", "val": read-only (N, seq_len) memmaps}) of a folder
-    written by prepare.py: the one check that its files agree with its meta.json."""
+    """(meta, tokenizer dict, {"train", "val": memmaps}): the one check of a folder's files."""
     where = os.path.join(folder, "meta.json")
     if not os.path.isfile(where):
         die(f"{folder}: no prepared data (no meta.json); run prepare.py --out {folder}")
@@ -396,7 +349,7 @@ def read_prepared(folder):
 
 
 def seal(f, name):
-    """Sync the file f to the disk, then rename it to `name`: a reader sees all of it or nothing."""
+    """Sync f to the disk, then rename it to `name`: a reader sees all of it or nothing."""
     f.flush()
     os.fsync(f.fileno())
     f.close()
@@ -405,8 +358,7 @@ def seal(f, name):
 
 
 def sweep(out):
-    """Remove what prepare.py wrote into `out` that the meta.json there does not name: after the
-    commit the old version, after a failure this run's own files, and leftovers of killed runs."""
+    """Remove our files that out/meta.json does not name: an old version, a failed run's files."""
     try:
         meta = json.loads(pathlib.Path(out, "meta.json").read_text())
         keep = {meta["tokenizer_file"], meta["train"]["file"], meta["val"]["file"]}
@@ -417,61 +369,42 @@ def sweep(out):
             os.remove(os.path.join(out, name))
 
 
-# ----------------------------------------------------------------------------- packing
 class Packer:
-    """Documents, each followed by [SEP], go to out/kind.tmp in whole rows; the rest of a row
-    waits for the next documents, and the last rest is dropped."""
+    """Token arrays, in whole rows of seq_len, to out/kind.tmp; the last rest is dropped."""
 
-    def __init__(self, out, kind, seq_len, sep):
-        self.kind, self.L, self.sep = kind, seq_len, np.array([sep], np.uint16)
-        self.rest = np.zeros(0, np.uint16)
+    def __init__(self, out, kind, seq_len):
+        self.kind, self.L, self.rest = kind, seq_len, np.zeros(0, np.uint16)
         self.f, self.sha = open(os.path.join(out, kind + ".tmp"), "wb"), hashlib.sha256()
 
-    def add(self, docs):
-        parts = [self.rest]
-        for ids in docs:
-            parts += [ids, self.sep]
-        flat = np.concatenate(parts)
+    def add(self, parts):
+        flat = np.concatenate([self.rest, *parts])
         n = len(flat) // self.L * self.L
         self.f.write(flat[:n].tobytes())
         self.sha.update(flat[:n].tobytes())
         self.rest = flat[n:]
 
-    def close(self):
-        """-> its entry in meta.json; the file is named after its content: train-1f2e3d4c.bin."""
-        rows, sha = self.f.tell() // (2 * self.L), self.sha.hexdigest()
-        return {"file": seal(self.f, f"{self.kind}-{sha[:8]}.bin"), "rows": rows,
-                "tokens": rows * self.L, "bytes": rows * self.L * 2, "sha256": sha}
+    def close(self):  # -> its entry in meta.json; named after its content: train-1f2e3d4c.bin
+        rows, name = self.f.tell() // (2 * self.L), f"{self.kind}-{self.sha.hexdigest()[:8]}.bin"
+        return {"file": seal(self.f, name), "rows": rows, "bytes": rows * self.L * 2}
 
 
 def encode(pool, files, tok, limit, args):
-    """The main process's part, in document order: exact deduplication, the held-out split (every
-    VAL_EVERY-th kept document, and the first ones until val has a row), packing."""
-    seen, s, sep = set(), Counter(), tok["special_tokens"]["[SEP]"]
-    train, val = (Packer(args.out, kind, args.seq_len, sep) for kind in ("train", "val"))
+    """Per document: the trash filter, then val (every VAL_EVERY-th, and until val has a row)."""
+    s, sep = Counter(), np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
+    train, val = (Packer(args.out, kind, args.seq_len) for kind in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
-    for _, (results, _) in ordered(pool, files, args.workers, tok, limit):
+    for docs in ordered(pool, files, args.workers, tok, s):
         to_train, to_val = [], []
-        for result in results:
-            if result is None:
-                s["bad_lines"] += 1
-                continue
-            key, n, ids = result
-            s["documents_read"] += 1
-            if not n or key in seen:
-                s["duplicates_dropped" if n else "empty_dropped"] += 1
-                s["duplicate_chars_dropped"] += n
-                continue
-            seen.add(key)
-            if isinstance(ids, int):
+        for n, ids in docs:
+            if len(ids) > limit * n:
                 s.update(trash_dropped=1, trash_chars_dropped=n)
                 continue
             if s["val_tokens"] < VAL_CAP and (s["documents"] % VAL_EVERY == 0
                                               or s["val_tokens"] < args.seq_len):
-                to_val.append(ids)
+                to_val += [ids, sep]
                 s["val_tokens"] += len(ids) + 1
             else:
-                to_train.append(ids)
+                to_train += [ids, sep]
             s.update(documents=1, characters=n, tokens=len(ids))
         train.add(to_train)
         val.add(to_val)
@@ -479,18 +412,15 @@ def encode(pool, files, tok, limit, args):
     return train.close(), val.close(), s
 
 
-# ----------------------------------------------------------------------------- main
 def parse_args(argv):
     ap = Parser(__doc__, LIMITS)
     arg = ap.add_argument
-    arg("--input", nargs="+", help=".txt (paragraphs), .jsonl, .json.gz, .gz of them, or folders "
-        "of them; default: download C4 shards")
+    arg("--input", nargs="+", help=".txt (paragraphs), .jsonl, .json.gz, .gz files (default: C4)")
     arg("--shards", type=int, help=f"C4 shards to download (default {SHARDS}; see the table)")
     arg("--out", default="data", help="output folder (%(default)s)")
     arg("--vocab-size", type=int, help=f"tokens incl. 4 specials ({VOCAB_SIZE}, or --tokenizer's)")
     arg("--seq-len", type=int, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
-    arg("--trash", type=float, default=TRASH, help="drop documents of more tokens per character "
-        "(%(default)s), times the sample's tokens/char / 0.21")
+    arg("--trash", type=float, default=TRASH, help="tokens/char that drop a document (%(default)s)")
     arg("--sample-mb", type=float, default=SAMPLE_MB, help="tokenizer sample (%(default)s MB)")
     arg("--tokenizer", help="reuse the tokenizer of an earlier output folder instead of training")
     arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (%(default)s)")
@@ -501,8 +431,7 @@ def parse_args(argv):
 
 
 def build(args, files, given, pool, fetcher, stop):
-    """The tokenizer (trained, or `given` as (meta, tok) by --tokenizer), then the packed rows, in
-    files that the old meta.json does not name; -> the new meta."""
+    """The tokenizer (trained, or `given` (meta, tok)), then the packed rows; -> the new meta."""
     count = args.shards or SHARDS
     shards = functools.partial(c4_shards, args.out, count, fetcher, stop)  # a pass each
     if given:
@@ -520,36 +449,32 @@ def build(args, files, given, pool, fetcher, stop):
         die(f"the trash filter dropped all {s['trash_dropped']:,} documents (more than "
             f"{limit:.3f} tokens per character); raise --trash (now {args.trash:g})")
     if not train["rows"] or not val["rows"]:
-        die(f"too little data: {s['tokens']:,} tokens make {train['rows']} train and "
-            f"{val['rows']} val rows of {args.seq_len}; give more text")
-    filters = ("documents_read", "bad_lines", "empty_dropped", "duplicates_dropped",
-               "duplicate_chars_dropped", "trash_dropped", "trash_chars_dropped")
+        die(f"too little data for a train and a val row of {args.seq_len} tokens; give more text")
+    filters = ("bad_lines", "duplicates_dropped", "trash_dropped", "trash_chars_dropped")
     return {"format": "cram-data-2", "vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS),
-            "seq_len": args.seq_len, "special_tokens": tok["special_tokens"],
+            "seq_len": args.seq_len, "special_tokens": tok["special_tokens"], "trash": args.trash,
             "pattern": tok["pattern"], "tokenizer_file": tok_file, "train": train, "val": val,
-            "trash": args.trash, "trash_tokens_per_char": round(limit, 6),
-            "sample_tokens_per_char": round(per_char, 6), "documents": s["documents"],
-            "characters": s["characters"], "tokens": s["tokens"],
-            "filters": {k: s[k] for k in filters},
+            "sample_tokens_per_char": round(per_char, 6), "filters": {k: s[k] for k in filters},
+            "documents": s["documents"], "characters": s["characters"], "tokens": s["tokens"],
             "sources": files or [C4_URL.format(i=i) for i in range(count)]}
 
 
 @entry
 def main(argv=None):
     args = parse_args(argv)
-    files = input_files(args.input) if args.input else None
+    for path in args.input or []:
+        if not os.path.isfile(path):
+            die(f"input not found: {path}")
     given = read_prepared(args.tokenizer)[:2] if args.tokenizer else None
     if given and args.vocab_size not in (None, given[0]["vocab_size"]):
-        die(f"--vocab-size {args.vocab_size}: the tokenizer of {args.tokenizer} has "
-            f"{given[0]['vocab_size']} tokens")
+        die(f"--vocab-size {args.vocab_size}: {args.tokenizer} has {given[0]['vocab_size']} tokens")
     args.vocab_size = args.vocab_size or VOCAB_SIZE
     with claim(args.out, "prepare.py"):
-        # The pool before any thread: forking a process that runs threads is unsafe. Workers
-        # ignore Ctrl-C: the main process stops them, without a traceback from each.
+        # The pool before any thread (forking a threaded process is unsafe); workers ignore Ctrl-C
         pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
         fetcher, stop = ThreadPoolExecutor(1), threading.Event()  # downloads the next C4 shard
         try:
-            meta = build(args, files, given, pool, fetcher, stop)
+            meta = build(args, args.input, given, pool, fetcher, stop)
             with open(os.path.join(args.out, "meta.json.tmp"), "w") as f:
                 f.write(json.dumps(meta, indent=1))
                 seal(f, "meta.json")  # the commit: from here on the folder holds the new data
@@ -559,8 +484,7 @@ def main(argv=None):
             pool.terminate()
             sweep(args.out)
     dropped, chars = meta["filters"]["trash_chars_dropped"], meta["characters"]
-    print(f"{args.out}: {meta['train']['rows']:,} train and {meta['val']['rows']:,} val rows; "
-          f"{meta['tokens']:,} tokens; {json.dumps(meta['filters'])}")
+    print(f"{args.out}: {meta['tokens']:,} tokens, {json.dumps(meta['filters'])}")
     if dropped > TRASH_WARN * (chars + dropped):
         print(f"WARNING: the trash filter dropped {dropped:,} of {chars + dropped:,} characters; "
               f"if that is normal text, raise --trash (now {args.trash:g})", file=sys.stderr)
