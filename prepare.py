@@ -37,6 +37,7 @@ LIMITS = {"vocab_size": (261, 65536), "seq_len": (2, 65536), "trash": (0.01, 100
 OURS = re.compile(r"(train|val|tokenizer)(-[0-9a-f]{8}\.(bin|tiktoken)|\.tmp)|meta\.json\.tmp")
 
 
+# ----------------------------------------------------------------------------- shared pieces
 def die(msg):
     raise SystemExit(f"error: {msg}")
 
@@ -112,6 +113,7 @@ class Progress:
         print(line + extra, file=sys.stderr, flush=True)
 
 
+# ----------------------------------------------------------------------------- download
 def download(url, path, stop=None):
     """url -> path.part -> path, retried (each retry said); setting the event `stop` ends it."""
     if os.path.exists(path):
@@ -154,6 +156,7 @@ def c4_shards(out, count, fetcher, stop):
         yield done
 
 
+# ----------------------------------------------------------------------------- reading (workers)
 NON_ASCII = re.compile(r"[^\x00-\x7f]+")
 
 
@@ -239,6 +242,7 @@ def ordered(pool, files, workers, tok, s):
         yield docs
 
 
+# ----------------------------------------------------------------------------- tokenizer
 def train_bpe(counts, n_vocab):
     """Byte-level BPE: merge the most frequent pair of adjacent tokens into a new one, again and
     again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 -> [4, 3, 4]; ties go to the smaller pair.
@@ -313,6 +317,7 @@ def make_tokenizer(pool, files, args):
     return tok, sum(n * len(enc.encode_ordinary(c)) for c, n in counts.items()) / chars
 
 
+# ----------------------------------------------------------------------------- the prepared folder
 def expect(ok, path, why):
     if not ok:
         die(f"{path}: {why}; run prepare.py again")
@@ -369,6 +374,7 @@ def sweep(out):
             os.remove(os.path.join(out, name))
 
 
+# ----------------------------------------------------------------------------- packing
 class Packer:
     """Token arrays, in whole rows of seq_len, to out/kind.tmp; the last rest is dropped."""
 
@@ -412,6 +418,7 @@ def encode(pool, files, tok, limit, args):
     return train.close(), val.close(), s
 
 
+# ----------------------------------------------------------------------------- main
 def parse_args(argv):
     ap = Parser(__doc__, LIMITS)
     arg = ap.add_argument
