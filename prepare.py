@@ -199,11 +199,12 @@ ENCODERS = {}  # in each worker (a pool per run): the run's tokenizer, read once
 
 
 def work(recs, tok):
-    """In a worker, per document: None (no text) or (hash, characters, ids or chunk Counter)."""
+    """In a worker: per document None (no text) or (hash, characters, ids); without a tokenizer
+    (the tokenizer sample) no ids but the chunk counts of the whole task, sent once, not per doc."""
     if tok and tok["file"] not in ENCODERS:
         ranks = pathlib.Path(tok["file"]).read_text()
         ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=ranks))
-    results = []
+    results, counts = [], Counter()
     for is_json, raw in recs:
         try:
             doc = json.loads(raw) if is_json else {"text": raw.decode("utf-8")}
@@ -216,30 +217,35 @@ def work(recs, tok):
             continue
         key = hashlib.blake2b(text.encode(), digest_size=8).digest()
         if tok:
-            made = np.array(ENCODERS[tok["file"]].encode_ordinary(text), np.uint16)
+            results.append((key, len(text), np.array(ENCODERS[tok["file"]].encode_ordinary(text),
+                                                     np.uint16)))
         else:
-            made = Counter(re.findall(PATTERN, text))
-        results.append((key, len(text), made))
-    return results
+            counts.update(re.findall(PATTERN, text))
+            results.append((key, len(text), None))
+    return results, counts
 
 
 def ordered(pool, files, workers, tok, s):
-    """Each task's new documents [(characters, made)] in order, deduplicated; s counts the rest."""
-    handed_out = (pool.apply_async(work, (recs, tok)) for recs in tasks(files))
+    """Each task's new documents [(characters, ids, record)] in order, deduplicated, and its chunk
+    counts without the duplicates' (the tokenizer sample); s counts the rest."""
+    handed_out = ((recs, pool.apply_async(work, (recs, tok))) for recs in tasks(files))
     pending, seen = deque(itertools.islice(handed_out, 2 * workers)), set()
     while pending:  # at most 2 tasks per worker in flight: Pool.imap would read all ahead
-        results = pending.popleft().get()
+        recs, job = pending.popleft()
+        results, counts = job.get()
         pending.extend(itertools.islice(handed_out, 1))  # the next task takes its place
         docs = []
-        for result in results:
+        for rec, result in zip(recs, results):
             if result is None:
                 s["bad_lines"] += 1
             elif result[0] in seen:
                 s["duplicates_dropped"] += 1
+                if not tok:  # the worker counted it: take it back
+                    counts.subtract(work([rec], None)[1])
             else:
                 seen.add(result[0])
-                docs.append(result[1:])
-        yield docs
+                docs.append((*result[1:], rec))
+        yield docs, counts
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -299,11 +305,13 @@ def make_tokenizer(pool, files, args):
     """(tokenizer dict, its tokens per character) from the first --sample-mb of new documents."""
     counts, chars, limit = Counter(), 0, args.sample_mb * 1e6
     progress = Progress("tokenizer sample", args.sample_mb, "MB")
-    for docs in ordered(pool, files, args.workers, None, Counter()):
-        for n, chunks in docs:
-            if chars < limit:
-                counts.update(chunks)
+    for docs, part in ordered(pool, files, args.workers, None, Counter()):
+        for n, _, rec in docs:
+            if chars >= limit:  # past the sample: take back what the worker counted
+                part.subtract(work([rec], None)[1])
+            else:
                 chars += n
+        counts.update(+part)  # +: without the chunks taken back to zero
         progress(chars / 1e6)
         if chars >= limit:
             break
@@ -399,9 +407,9 @@ def encode(pool, files, tok, limit, args):
     s, sep = Counter(), np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
     train, val = (Packer(args.out, kind, args.seq_len) for kind in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
-    for docs in ordered(pool, files, args.workers, tok, s):
+    for docs, _ in ordered(pool, files, args.workers, tok, s):
         to_train, to_val = [], []
-        for n, ids in docs:
+        for n, ids, _ in docs:
             if len(ids) > limit * n:
                 s.update(trash_dropped=1, trash_chars_dropped=n)
                 continue

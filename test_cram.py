@@ -516,7 +516,7 @@ def test_at_most_two_tasks_per_worker_in_flight(monkeypatch):
             return self
         def get(self):
             self.out -= 1
-            return [None]
+            return [None], {}
     monkeypatch.setattr(prepare, "tasks", lambda files: ([i] for i in range(50)))
     pool, s = Pool(), {"bad_lines": 0}
     assert len(list(prepare.ordered(pool, ["x"], 3, None, s))) == 50 and s["bad_lines"] == 50
