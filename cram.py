@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from prepare import (SPECIALS, Parser, Progress, claim, die, entry, load_tokenizer, normalize,
-                     read_prepared)
+                     read_prepared, seal)
 
 # ----------------------------------------------------------------------------- the recipe
 BUDGET = 86400          # seconds: one day on one GPU, compilation included
@@ -304,9 +304,7 @@ def load_checkpoint(path):
     return ckpt
 
 
-def load_model(ckpt, path, **overrides):
-    """The Crammed model of a checkpoint, with config fields overridden (e.g. dropout)."""
-    model = Crammed(ModelConfig(**{**ckpt["model_config"], **overrides}))
+def load_weights(model, ckpt, path):
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
@@ -314,14 +312,17 @@ def load_model(ckpt, path, **overrides):
     return model
 
 
+def load_model(ckpt, path, **overrides):
+    """The Crammed model of a checkpoint, with config fields overridden (e.g. dropout)."""
+    return load_weights(Crammed(ModelConfig(**{**ckpt["model_config"], **overrides})), ckpt, path)
+
+
 def save_checkpoint(path, ckpt):
     """Atomic: written beside, then renamed; a crash or a full disk leaves the previous one."""
     try:
         with open(path + ".tmp", "wb") as f:
             torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+            seal(f, os.path.basename(path))
     except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
@@ -455,7 +456,7 @@ def build(c, args, device, ckpt=None, ddp=False):
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
     if ckpt:
-        raw.load_state_dict(ckpt["model"])
+        load_weights(raw, ckpt, args.ckpt)  # straight onto the device: no second copy
         opt.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"])
     model = raw

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import Parser, Progress, die, download, entry, load_tokenizer, normalize
+from prepare import Parser, Progress, die, download, entry, load_tokenizer, normalize, seal
 from cram import Crammed, load_checkpoint, load_model, pick_device
 
 # ----------------------------------------------------------------------------- the "sane" recipe
@@ -63,7 +63,7 @@ def write_atomic(path, data):
     """Write beside path, then rename: a half-written file never looks complete."""
     with open(path + ".tmp", "wb") as f:
         f.write(data)
-    os.replace(path + ".tmp", path)
+        seal(f, os.path.basename(path))
 
 
 def build_mrpc(folder):

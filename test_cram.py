@@ -890,6 +890,12 @@ def test_damaged_checkpoints_and_a_full_disk(tmp_path, data, monkeypatch):
     torch.save(ckpt, tmp_path / "big.pt")
     with pytest.raises(SystemExit, match="big.pt: damaged: its tokenizer has 351 tokens, its model 350"):
         cram.main(["--out", str(tmp_path), "--fill", "a [MASK]", "--ckpt", str(tmp_path / "big.pt")])
+    ckpt = torch.load(path)
+    ckpt["model_config"]["width"] = 32  # the weights are of width 64
+    os.makedirs(tmp_path / "r")
+    torch.save(ckpt, tmp_path / "r" / "ckpt.pt")
+    with pytest.raises(SystemExit, match="r/ckpt.pt: weights do not fit its model_config"):
+        cram.main(["--data", data, "--out", str(tmp_path / "r"), "--resume", *TINY])
     before = open(path, "rb").read()
 
     def full(obj, f):  # what torch.save does when the disk is full
