@@ -2,13 +2,13 @@
 cram.py: pretrain the paper's final "crammed BERT" on one GPU within a wall-clock budget.
 
     python cram.py --time 86400                  # the paper's day, on data/ from prepare.py
-    python cram.py --preset tiny --time 600      # the CPU demo: prepare.py --vocab-size 2048
+    python cram.py --preset tiny --time 600      # the CPU demo (see the README)
     python cram.py --eval --data heldout         # a checkpoint's loss on other prepared text
     python cram.py --fill "the capital of france is [MASK]."    # ask the trained model
     python cram.py --bench                       # throughput (tokens/s, MFU) on random tokens
     torchrun --nproc_per_node 8 cram.py ...      # several GPUs (DDP)
 """
-import contextlib, json, math, os, signal, time
+import argparse, contextlib, datetime, json, os, signal, time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -17,8 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import (SPECIALS, Parser, Progress, claim, die, entry, load_tokenizer, normalize,
-                     read_prepared, seal)
+from prepare import SPECIALS, Progress, atomic, die, entry, load_tokenizer, normalize, read_prepared
 
 # ----------------------------------------------------------------------------- the recipe
 BUDGET = 86400          # seconds: one day on one GPU, compilation included
@@ -37,9 +36,6 @@ MASK_AS_MASK = 0.8      # of the masked: 80% become [MASK], 10% a random token, 
 MASK_AS_RANDOM = 0.1
 INIT_STD = 0.02         # normal init of every linear and embedding weight
 LN_EPS = 1e-12          # LayerNorm epsilon of the official model
-MAX_BAD_STEPS = 20      # non-finite steps in a row before the run gives up
-EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
-BENCH_STEPS = 20        # timed steps of --bench, after 3 warm-up steps (compilation, caches)
 PRESETS = {
     # the paper's model and batch: a GPU day wants big batches, 8192 sequences per step
     "crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=MICRO_BATCH,
@@ -50,8 +46,13 @@ PRESETS = {
     "tiny": dict(layers=2, width=128, heads=2, ffn=512, micro_batch=16, batch_size=16, lr=6e-3,
                  alibi=1.0),
 }
-PEAK_TFLOPS = {"A6000": 155, "A100": 312, "H100": 989}  # dense bf16, for MFU; else --peak-tflops
-STOP = []  # signals received: the loop saves and exits at the next step
+EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
+BENCH_STEPS = 20        # timed steps of --bench, after 3 warm-up steps (compilation, caches)
+PEAK_TFLOPS = 989       # H100 SXM, dense bf16: MFU's denominator (--peak-tflops for other GPUs)
+SAVE_TIMEOUT = 3600     # seconds DDP ranks wait for rank 0 to save or evaluate (NCCL's: 600)
+RUN = ["layers", "width", "heads", "ffn", "alibi", "time", "steps", "micro_batch", "batch_size",
+       "lr", "seed"]    # what a run is: --resume takes them from the checkpoint
+STOP = []               # signals received: the loop saves and exits at the next step
 
 
 # ----------------------------------------------------------------------------- the model
@@ -176,13 +177,6 @@ class Crammed(nn.Module):
         return x @ self.emb.weight.T  # (B, masked, vocab)
 
 
-def n_params(c):
-    """Parameters: the embedding, the position scale, two LayerNorms, and per layer qkv, proj,
-    the gated MLP and its two LayerNorms (the crammed model: 119,589,889)."""
-    per_layer = 4 * c.width ** 2 + c.width * c.ffn + c.ffn // 2 * c.width + 4 * c.width
-    return c.vocab_size * c.width + 1 + 4 * c.width + c.layers * per_layer
-
-
 def flops_per_token(c):
     """Training FLOPs per token (forward + backward = 3 x 2 x multiply-adds), the paper's count."""
     matmul = c.layers * (4 * c.width ** 2 + c.width * c.ffn + c.ffn // 2 * c.width)
@@ -228,6 +222,7 @@ class Masker:
         return dict(zip(("idx", "positions", "labels"), out))
 
 
+# ----------------------------------------------------------------------------- the budget
 def schedule(x, peak):
     """budget-triangle2: 25% of the peak at the start, the peak at 75% of the budget, 0 at the
     end. x=0 -> 0.25 peak, x=0.5 -> 0.75 peak, x=0.75 -> peak, x=0.9 -> 0.4 peak."""
@@ -245,21 +240,19 @@ class Batches:
     state there is, so a resumed run reads the same rows. Each rank reads its own slice."""
 
     def __init__(self, rows, micro, seed, rank=0, world=1, epoch=0, pos=0):
-        if len(rows) < micro * world:
-            die(f"{len(rows)} training rows, fewer than one micro-batch of {micro * world}: "
-                f"lower --micro-batch")
         self.rows, self.micro, self.seed, self.rank, self.world = rows, micro, seed, rank, world
-        self.epoch, self.pos, self.perm_epoch = epoch, pos, None
+        self.epoch, self.pos, self.order_epoch = epoch, pos, None
 
     def __next__(self):
         if self.pos + self.micro * self.world > len(self.rows):
             self.epoch, self.pos = self.epoch + 1, 0
-        if self.perm_epoch != self.epoch:
-            rng = np.random.default_rng((self.seed, self.epoch))
-            self.perm, self.perm_epoch = rng.permutation(len(self.rows)), self.epoch
+        if self.order_epoch != self.epoch:  # numpy's permutation order, in 4 bytes a row, not 8
+            self.order = np.arange(len(self.rows), dtype=np.uint32)
+            np.random.default_rng((self.seed, self.epoch)).shuffle(self.order)
+            self.order_epoch = self.epoch
         start = self.pos + self.rank * self.micro
         self.pos += self.micro * self.world
-        picked = np.sort(self.perm[start:start + self.micro])  # sorted: memmap reads go forward
+        picked = np.sort(self.order[start:start + self.micro])  # sorted: reads go forward
         return torch.from_numpy(self.rows[picked].astype(np.int64))
 
 
@@ -275,7 +268,7 @@ def evaluate(model, sources, n_rows, masker, micro, device):
         for i in range(0, len(rows), micro):
             b = masker(torch.from_numpy(rows[i:i + micro].astype(np.int64)), EVAL_SEED + done + i)
             with autocast(device):
-                logits = model.decode(model(b["idx"]), b["positions"]).float()  # (B, masked, vocab)
+                logits = model.decode(model(b["idx"]), b["positions"]).float()  # (B, masked, V)
             keep = b["labels"] != -100
             loss += F.cross_entropy(logits[keep], b["labels"][keep], reduction="sum").item()
             right += (logits.argmax(-1) == b["labels"])[keep].sum().item()
@@ -286,168 +279,14 @@ def evaluate(model, sources, n_rows, masker, micro, device):
     return loss / max(count, 1), right / max(count, 1)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-def load_checkpoint(path):
-    """A cram checkpoint, checked: a damaged one is one line, not a traceback later."""
-    if not os.path.isfile(path):
-        die(f"{path}: no checkpoint here")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many kinds for a damaged file
-        die(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__}: {str(e)[:120]})")
-    if not isinstance(ckpt, dict) or ckpt.get("format") != "cram-ckpt-1":
-        die(f"{path}: not a cram checkpoint")
-    tok, vocab = ckpt["tokenizer"], ckpt["model_config"]["vocab_size"]
-    n = len(tok["ranks"].splitlines()) + len(tok["special_tokens"])
-    if n != vocab:
-        die(f"{path}: damaged: its tokenizer has {n} tokens, its model {vocab}")
-    return ckpt
-
-
-def load_weights(model, ckpt, path):
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        die(f"{path}: weights do not fit its model_config ({str(e).splitlines()[0]})")
-    return model
-
-
-def load_model(ckpt, path, **overrides):
-    """The Crammed model of a checkpoint, with config fields overridden (e.g. dropout)."""
-    return load_weights(Crammed(ModelConfig(**{**ckpt["model_config"], **overrides})), ckpt, path)
-
-
-def save_checkpoint(path, ckpt):
-    """Atomic: written beside, then renamed; a crash or a full disk leaves the previous one."""
-    try:
-        with open(path + ".tmp", "wb") as f:
-            torch.save(ckpt, f)
-            seal(f, os.path.basename(path))
-    except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
-        with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
-        die(f"{path}: cannot save the checkpoint ({str(e)[:80]}); the previous one is intact")
-
-
-def check_data(ckpt, meta, tok, path, data):
-    """A checkpoint reads only data of its own tokenizer (hence vocabulary) and row length."""
-    seq_len = ckpt["model_config"]["seq_len"]
-    if ckpt["tokenizer"]["ranks"] != tok["ranks"] or seq_len != meta["seq_len"]:
-        die(f"{path}: trained with another tokenizer or row length than {data}; prepare it "
-            f"with --tokenizer")
-
-
-# ----------------------------------------------------------------------------- arguments
-ANY = (0, math.inf)  # finite and not negative
-LIMITS = {"lr": (1e-9, 1), "seed": (0, 2 ** 32 - 1), "ffn": (2, math.inf),
-          "time": (1e-3, math.inf), "alibi": ANY, "log_every": ANY, "eval_every": ANY,
-          **dict.fromkeys(["steps", "layers", "width", "heads", "micro_batch", "batch_size",
-                           "eval_rows", "save_every", "peak_tflops"], (1, math.inf))}
-RUN = ["layers", "width", "heads", "ffn", "alibi", "time", "steps", "micro_batch", "batch_size",
-       "lr", "seed"]  # what a run is: --resume takes them from the checkpoint
-
-
-def get_args(argv=None):
-    ap = Parser(__doc__, LIMITS)
-    arg = ap.add_argument
-    arg("--data", default="data", help="folder written by prepare.py")
-    arg("--out", default="out", help="folder for ckpt.pt and log.jsonl")
-    arg("--time", type=float, default=BUDGET, help="budget in seconds, compilation included")
-    arg("--steps", type=int, help="budget in optimizer steps instead (reproducible runs)")
-    arg("--preset", choices=PRESETS, default="crammed",
-        help="crammed: the paper's model and batch; tiny: the CPU demo")
-    for k in ("layers", "width", "heads", "ffn"):
-        arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
-    arg("--alibi", type=float, help="distance penalty on attention (tiny: 1; the paper: 0)")
-    arg("--micro-batch", type=int, help=f"sequences per forward pass ({MICRO_BATCH})")
-    arg("--batch-size", type=int, help=f"sequences per step at the end of the ramp ({BATCH_SIZE})")
-    arg("--lr", type=float, help=f"peak learning rate ({LR})")
-    arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
-    arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
-    arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
-    arg("--log-every", type=float, default=10, help="seconds between log lines")
-    arg("--eval-every", type=float, default=0, help="seconds between held-out evaluations")
-    arg("--eval-rows", type=int, default=2048, help="held-out rows for the loss and accuracy")
-    arg("--save-every", type=float, default=1800, help="seconds between checkpoints")
-    arg("--resume", action="store_true", help="continue OUT/ckpt.pt exactly where it stopped")
-    arg("--peak-tflops", type=float, help=f"GPU peak for MFU (default: {PEAK_TFLOPS})")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--eval", action="store_true", help="only score --ckpt on DATA's rows "
-                      "(e.g. held-out text prepared with --tokenizer)")
-    mode.add_argument("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK]")
-    mode.add_argument("--bench", action="store_true", help="time training steps, random tokens")
-    arg("--ckpt", help="checkpoint for --eval and --fill (default: OUT/ckpt.pt)")
-    args = ap.parse_args(argv)
-    for k, v in PRESETS[args.preset].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.width % args.heads or args.ffn % 2:
-        die(f"--width {args.width} must divide by --heads {args.heads}; --ffn must be even")
-    if args.batch_size < args.micro_batch:
-        die(f"--batch-size {args.batch_size}: must be at least --micro-batch {args.micro_batch}")
-    if args.ckpt and not (args.eval or args.fill):
-        die(f"--ckpt {args.ckpt}: only for --eval and --fill; training writes OUT/ckpt.pt")
-    args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
-    return args
-
-
-# ----------------------------------------------------------------------------- set-up
-def pick_device(name=None):
-    try:
-        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as e:
-        die(f"--device {name}: {e}")
-    if device.type not in ("cpu", "cuda"):
-        die(f"--device {name}: cram runs on cpu or cuda")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        die(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPUs")
-    return device
-
-
-def setup(args):
-    """(rank, world, device): under torchrun each process takes its own GPU and joins the group."""
-    device = pick_device(args.device)
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def claim_out(args):
-    """Never replace a run silently, never share --out, and fail now if it cannot be written."""
-    lock = claim(args.out, "cram.py")
-    found = [f for f in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(args.out, f))]
-    if found and not args.resume:
-        die(f"--out {args.out} holds a run ({', '.join(found)}): continue it with --resume, or "
-            f"start over with another --out or after deleting {args.out}")
-    open(args.ckpt + ".tmp", "wb").close()  # cannot be written? say so now, not at the first save
-    os.remove(args.ckpt + ".tmp")
-    return lock
-
-
+# ----------------------------------------------------------------------------- training
 def autocast(device):
     """bf16 on the GPU: tensor-core speed, and unlike fp16 it needs no loss scaling."""
     return torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
 
 
-def check_fits(c, micro, device):
-    """Refuse a size that cannot fit before building it: 16 bytes a parameter (weights, grads,
-    AdamW's two moments) and the attention scores (micro, heads, T, T) in fp32 at worst."""
-    need = 16 * n_params(c) + 4 * micro * c.heads * c.seq_len ** 2
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    have = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else ram
-    if need > have:
-        die(f"{c.layers} layers x {c.width} ({n_params(c) / 1e6:,.0f} M parameters) at "
-            f"{c.seq_len} tokens x {micro} need about {need / 2 ** 30:,.0f} GiB, more than the "
-            f"{have / 2 ** 30:,.0f} GiB of {device}: make the model or --micro-batch smaller")
-
-
-def build(c, args, device, ckpt=None, ddp=False):
-    """(model to call, the raw module, AdamW); from the checkpoint's state when resuming."""
-    check_fits(c, args.micro_batch, device)
+def build(c, args, device, world=1):
+    """(model to call, the raw module, AdamW): compiled on CUDA, wrapped in DDP under torchrun."""
     torch.manual_seed(args.seed)
     raw = Crammed(c).to(device)
     norms = {p for m in raw.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
@@ -455,58 +294,58 @@ def build(c, args, device, ckpt=None, ddp=False):
     rest = [p for p in raw.parameters() if p in norms]  # in a fixed order, for --resume
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
-    if ckpt:
-        load_weights(raw, ckpt, args.ckpt)  # straight onto the device: no second copy
-        opt.load_state_dict(ckpt["optimizer"])
-        torch.set_rng_state(ckpt["rng"])
     model = raw
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         if not args.no_compile:
             model = torch.compile(model)  # one graph, static shapes: the masks make them so
-    if ddp:  # after loading: DDP starts by copying rank 0's weights to every rank
+    if world > 1:  # DDP starts by copying rank 0's weights to every rank
         ids = [device.index] if device.type == "cuda" else None
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     return model, raw, opt
 
 
-def mfu(tok_s, c, world, device, args):
-    """Model FLOPs utilisation: the share of the GPU's dense bf16 peak the training uses."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    peak = args.peak_tflops or next((p for n, p in PEAK_TFLOPS.items() if n in name), None)
-    return f"{100 * flops_per_token(c) * tok_s / world / (peak * 1e12):.1f}%" if peak else "n/a"
+def mfu(tok_s, c, world, args):
+    """Model FLOPs utilisation: the share of one GPU's dense bf16 peak the training uses."""
+    return flops_per_token(c) * tok_s / world / (args.peak_tflops * 1e12)
 
 
-# ----------------------------------------------------------------------------- training
 class Trainer:
     """One pretraining run. Its state (weights, optimizer, RNG, step, sequences, elapsed seconds,
-    skipped steps, data position) is what a checkpoint holds, so --resume is exact."""
+    data position) is what a checkpoint holds, so --resume is exact."""
 
     def __init__(self, args, rank, world, device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
         meta, self.tok, rows = read_prepared(args.data)
-        self.lock = claim_out(args) if rank == 0 else None
+        self.path = os.path.join(args.out, "ckpt.pt")
+        ckpt = load_checkpoint(self.path, meta, self.tok) if args.resume else None
+        found = [f for f in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(args.out, f))]
+        if found and not args.resume:
+            die(f"--out {args.out} holds a run ({found[0]}): continue it with --resume, or use "
+                f"another --out")
+        if ckpt:  # the schedule depends on these: the run's own settings win
+            vars(args).update({k: ckpt["args"][k] for k in RUN})
         self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
                              args.heads, args.ffn, alibi=args.alibi)
-        ckpt = load_checkpoint(args.ckpt) if args.resume else None
-        self.step, self.seqs, self.elapsed, self.skipped, data_pos = 0, 0, 0.0, 0, (0, 0)
+        self.model, self.raw, self.opt = build(self.c, args, device, world)
+        self.step, self.seqs, self.elapsed, data_pos = 0, 0, 0.0, (0, 0)
         if ckpt:
-            check_data(ckpt, meta, self.tok, args.ckpt, args.data)
-            self.c = ModelConfig(**ckpt["model_config"])
-            run = {k: ckpt["args"][k] for k in RUN}
-            kept = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in run.items())
-            vars(args).update(run)  # the schedule depends on these: the run decides
+            self.raw.load_state_dict(ckpt["model"])
+            self.opt.load_state_dict(ckpt["optimizer"])
+            torch.set_rng_state(ckpt["rng"])
             self.step, self.seqs, self.elapsed = ckpt["step"], ckpt["seqs"], ckpt["elapsed"]
-            self.skipped, data_pos = ckpt["skipped"], ckpt["data"]
-        self.model, self.raw, self.opt = build(self.c, args, device, ckpt, ddp=world > 1)
+            data_pos = ckpt["data"]
         self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *data_pos)
         self.val, self.masker = rows["val"], Masker(self.tok["special_tokens"], device)
-        self.logf = open(os.path.join(args.out, "log.jsonl"), "a") if rank == 0 else None
-        c = self.c
-        self.log(f"crammed BERT: {c.layers} layers x {c.width}, {n_params(c) / 1e6:.1f} M "
-                 f"parameters, {flops_per_token(c) / 1e9:.3f} GFLOP/token")
+        if rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            self.logf = open(os.path.join(args.out, "log.jsonl"), "a")
+        n = sum(p.numel() for p in self.raw.parameters())
+        self.log(f"crammed BERT: {self.c.layers} layers x {self.c.width}, {n / 1e6:.1f} M "
+                 f"parameters, {flops_per_token(self.c) / 1e9:.3f} GFLOP/token")
         if ckpt:
-            self.log(f"resumed {args.ckpt} at step {self.step}; the run keeps its own {kept}")
+            self.log(f"resumed {self.path} at step {self.step} with the run's own " +
+                     ", ".join(f"--{k.replace('_', '-')} {args.__dict__[k]}" for k in RUN))
 
     def log(self, line, **record):
         if self.rank == 0:
@@ -543,16 +382,12 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach()
         norm = nn.utils.clip_grad_norm_(self.raw.parameters(), CLIP)
-        if torch.isfinite(norm):
-            self.opt.step()
-            self.losses.append(loss_sum.item())
-            self.bad_run = 0
-        else:  # a non-finite loss or gradient: skip the step; give up if it persists
-            self.skipped, self.bad_run = self.skipped + 1, self.bad_run + 1
-            if self.bad_run >= MAX_BAD_STEPS:
-                die(f"loss/gradients not finite for {self.bad_run} steps in a row at step "
-                    f"{self.step}; lower --lr")
+        if not torch.isfinite(norm):  # the paper's clipping keeps this away; lr too high?
+            die(f"loss or gradients not finite at step {self.step}: {self.path} holds the "
+                f"last good checkpoint; lower --lr")
+        self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self.losses.append(loss_sum.item())
         self.step += 1
         self.seqs += accum * a.micro_batch * self.world
         return accum * a.micro_batch * self.world
@@ -566,10 +401,9 @@ class Trainer:
         left = (a.steps - self.step) * elapsed / self.step if a.steps else a.time - elapsed
         r = dict(step=self.step, seqs=self.seqs, tokens=self.seqs * self.c.seq_len, loss=loss,
                  lr=schedule(x, a.lr), batch=batch, tok_s=round(tok_s),
-                 mfu=mfu(tok_s, self.c, self.world, self.device, a), elapsed=round(elapsed, 1),
-                 skipped=self.skipped)
+                 mfu=mfu(tok_s, self.c, self.world, a), elapsed=round(elapsed, 1))
         self.log(f"step {self.step} | {r['tokens'] / 1e6:,.1f}M tok | loss {loss:.4f} | lr "
-                 f"{r['lr']:.2e} | batch {batch} | {tok_s:,.0f} tok/s | mfu {r['mfu']} | "
+                 f"{r['lr']:.2e} | batch {batch} | {tok_s:,.0f} tok/s | mfu {r['mfu']:.1%} | "
                  f"{elapsed:,.0f}s elapsed, {left:,.0f}s left", **r)
         self.t_log, self.seqs_log, self.losses = now, self.seqs, []
 
@@ -582,13 +416,14 @@ class Trainer:
                  val_acc=acc)
 
     def save(self):
+        """Rank 0 writes the checkpoint atomically; a full disk leaves the previous one."""
         if self.rank == 0:
-            save_checkpoint(self.args.ckpt, {
+            save_checkpoint(self.path, {
                 "format": "cram-ckpt-1", "model_config": asdict(self.c), "tokenizer": self.tok,
                 "model": self.raw.state_dict(), "optimizer": self.opt.state_dict(),
                 "args": vars(self.args), "step": self.step, "seqs": self.seqs,
-                "elapsed": self.elapsed, "skipped": self.skipped,
-                "data": [self.data.epoch, self.data.pos], "rng": torch.get_rng_state()})
+                "elapsed": self.elapsed, "data": [self.data.epoch, self.data.pos],
+                "rng": torch.get_rng_state()})
 
     def train(self):
         """The loop: clock, step, and on their own clocks log, evaluate, checkpoint."""
@@ -598,7 +433,7 @@ class Trainer:
                  f"{self.device}; peak lr {a.lr}")
         self.t_start = time.time() - self.elapsed
         self.t_log = self.t_save = self.t_eval = time.time()
-        self.seqs_log, self.losses, self.bad_run = self.seqs, [], 0
+        self.seqs_log, self.losses = self.seqs, []
         x, stop = self.clock()
         while not stop:
             batch = self.train_step(x)
@@ -611,29 +446,19 @@ class Trainer:
                 self.save()
                 self.t_save = time.time()
             x, stop = self.clock()
-        self.finish()
-
-    def finish(self):
-        """Save; on a signal, exit saying how to continue; else check the replicas, evaluate."""
-        self.elapsed = min(self.elapsed, self.args.time)
+        self.elapsed = min(self.elapsed, a.time)
         self.save()
+        if self.world > 1:  # no rank leaves before rank 0's checkpoint is on the disk
+            dist.barrier()
+            dist.destroy_process_group()
         if STOP:
-            self.log(f"stopped by signal {STOP[0]} at step {self.step}: {self.args.ckpt} saved; "
+            self.log(f"stopped by signal {STOP[0]} at step {self.step}: {self.path} saved; "
                      f"continue with --resume")
             raise SystemExit(128 + STOP[0])
-        if self.world > 1:  # replicas must hold identical weights: the smallest sums = the largest
-            sums = torch.stack([p.detach().double().sum() for p in self.raw.parameters()])
-            low = sums.clone()
-            dist.all_reduce(sums, dist.ReduceOp.MAX)
-            dist.all_reduce(low, dist.ReduceOp.MIN)
-            agree = torch.equal(sums, low)
-            self.log(f"replicas agree: {agree}", ranks_agree=agree, world=self.world)
-            if not agree:
-                die("DDP replicas diverged")
-            dist.destroy_process_group()
         if self.rank == 0:
             self.validate(f"done in {self.elapsed:.0f}s, {self.seqs * self.c.seq_len / 1e6:,.1f}M "
-                          f"tokens, {self.skipped} skipped steps | ", seqs=self.seqs)
+                          f"tokens | ", seqs=self.seqs)
+        return self.raw
 
 
 # ----------------------------------------------------------------------------- bench, eval, fill
@@ -653,16 +478,15 @@ def bench(args, device):
         print(f"bench step {i}: loss {loss.item():.3f}", flush=True)  # .item() waits for the GPU
     tok_s = args.micro_batch * c.seq_len * BENCH_STEPS / (time.time() - t0)
     print(f"bench: {device} micro-batch {args.micro_batch} compile={model is not raw} "
-          f"tokens/s={tok_s:.0f} mfu={mfu(tok_s, c, 1, device, args)}", flush=True)
+          f"tokens/s={tok_s:.0f} mfu={mfu(tok_s, c, 1, args):.1%}", flush=True)
     return tok_s
 
 
 def eval_ckpt(args, device):
     """--eval: a checkpoint's loss and accuracy on all of DATA's rows, up to --eval-rows."""
     meta, tok, rows = read_prepared(args.data)
-    ckpt = load_checkpoint(args.ckpt)
-    check_data(ckpt, meta, tok, args.ckpt, args.data)
-    model = load_model(ckpt, args.ckpt).to(device)
+    ckpt = load_checkpoint(args.ckpt, meta, tok)
+    model = load_model(ckpt).to(device)
     n = min(args.eval_rows, len(rows["train"]) + len(rows["val"]))
     loss, acc = evaluate(model, [rows["train"], rows["val"]], n,
                          Masker(tok["special_tokens"], device), args.micro_batch, device)
@@ -683,17 +507,15 @@ def encode_masked(text, enc):
 def fill(args, device):
     """--fill: the checkpoint's top 5 tokens, with probabilities, for each [MASK] of each text."""
     ckpt = load_checkpoint(args.ckpt)
-    model = load_model(ckpt, args.ckpt).to(device).eval()
+    model = load_model(ckpt).to(device).eval()
     specials = ckpt["tokenizer"]["special_tokens"]
     enc, mask_id = load_tokenizer(ckpt["tokenizer"]), specials["[MASK]"]
     answers = []
     for text in args.fill:
-        ids = encode_masked(text, enc)
+        ids = encode_masked(text, enc)[:model.config.seq_len]
         positions = [i for i, t in enumerate(ids) if t == mask_id]
         if not positions:
-            die(f"--fill {text!r}: no [MASK] in it")
-        if len(ids) > model.config.seq_len:
-            die(f"--fill {text!r}: {len(ids)} tokens, more than the model's {model.config.seq_len}")
+            die(f"--fill {text!r}: no [MASK] in its first {model.config.seq_len} tokens")
         hidden = model(torch.tensor([ids], device=device))
         logits = model.decode(hidden, torch.tensor([positions], device=device))[0]
         logits[:, min(specials.values()):] = -float("inf")  # specials come last: never a guess
@@ -703,6 +525,102 @@ def fill(args, device):
             answers.append(top)
             print(f"  [MASK] {k + 1}: " + ", ".join(f"{w!r} {v:.3f}" for w, v in top), flush=True)
     return answers
+
+
+# ----------------------------------------------------------------------------- plumbing
+def load_checkpoint(path, meta=None, tok=None):
+    """A cram checkpoint; given prepared data, it must share the data's tokenizer and rows."""
+    if not os.path.isfile(path):
+        die(f"{path}: no checkpoint here")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many kinds for a damaged file
+        die(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__}: {str(e)[:120]})")
+    if not isinstance(ckpt, dict) or ckpt.get("format") != "cram-ckpt-1":
+        die(f"{path}: not a cram checkpoint")
+    if meta and (ckpt["tokenizer"]["ranks"] != tok["ranks"]
+                 or ckpt["model_config"]["seq_len"] != meta["seq_len"]):
+        die(f"{path}: trained with another tokenizer or row length than this data; prepare the "
+            f"data with --tokenizer")
+    return ckpt
+
+
+def load_model(ckpt, **overrides):
+    """The Crammed model of a checkpoint, with config fields overridden (e.g. dropout)."""
+    model = Crammed(ModelConfig(**{**ckpt["model_config"], **overrides}))
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+def save_checkpoint(path, ckpt):
+    try:
+        with atomic(path) as f:
+            torch.save(ckpt, f)
+    except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        die(f"{path}: cannot save the checkpoint ({str(e)[:80]}); the previous one is intact")
+
+
+def get_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    arg = ap.add_argument
+    arg("--data", default="data", help="folder written by prepare.py")
+    arg("--out", default="out", help="folder for ckpt.pt and log.jsonl")
+    arg("--time", type=float, default=BUDGET, help="budget in seconds, compilation included")
+    arg("--steps", type=int, help="budget in optimizer steps instead (reproducible runs)")
+    arg("--preset", choices=PRESETS, default="crammed",
+        help="crammed: the paper's model and batch; tiny: the CPU demo")
+    for k in ("layers", "width", "heads", "ffn"):
+        arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
+    arg("--alibi", type=float, help="distance penalty on attention (tiny: 1; the paper: 0)")
+    arg("--micro-batch", type=int, help=f"sequences per forward pass ({MICRO_BATCH})")
+    arg("--batch-size", type=int, help=f"sequences per step at the end of the ramp ({BATCH_SIZE})")
+    arg("--lr", type=float, help=f"peak learning rate ({LR})")
+    arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
+    arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
+    arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
+    arg("--log-every", type=float, default=10, help="seconds between log lines")
+    arg("--eval-every", type=float, default=0, help="seconds between held-out evaluations")
+    arg("--eval-rows", type=int, default=2048, help="held-out rows for the loss and accuracy")
+    arg("--save-every", type=float, default=1800, help="seconds between checkpoints")
+    arg("--resume", action="store_true", help="continue OUT/ckpt.pt exactly where it stopped")
+    arg("--peak-tflops", type=float, default=PEAK_TFLOPS, help="GPU peak for MFU (%(default)s)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--eval", action="store_true", help="only score --ckpt on DATA's rows "
+                      "(e.g. held-out text prepared with --tokenizer)")
+    mode.add_argument("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK]")
+    mode.add_argument("--bench", action="store_true", help="time training steps, random tokens")
+    arg("--ckpt", help="checkpoint for --eval and --fill (default: OUT/ckpt.pt)")
+    args = ap.parse_args(argv)
+    for k, v in PRESETS[args.preset].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.width % args.heads or args.ffn % 2 or args.batch_size < args.micro_batch:
+        ap.error("--width must divide by --heads, --ffn be even, --batch-size >= --micro-batch")
+    args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
+    return args
+
+
+def pick_device(name):
+    try:
+        return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        die(f"--device {name}: {e}")
+
+
+def setup(args):
+    """(rank, world, device): under torchrun each process takes its own GPU and joins the group."""
+    device = pick_device(args.device)
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=SAVE_TIMEOUT))
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def request_stop(signum, frame):
@@ -722,7 +640,7 @@ def main(argv=None):
     STOP.clear()  # Ctrl-C and SIGTERM save and stop at the next step; then the caller's handlers
     old = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        Trainer(args, rank, world, device).train()
+        return Trainer(args, rank, world, device).train()
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)

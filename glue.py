@@ -1,18 +1,18 @@
 """glue.py: fine-tune a crammed checkpoint on GLUE with the paper's "sane" recipe, print its table.
-Missing GLUE files are downloaded; all are checked before any fine-tuning. Results merge into
-glue.json next to the checkpoint: a rerun replaces only its tasks, and runs at once keep theirs.
+Missing GLUE files are downloaded; all are read before any fine-tuning. Results merge into
+glue.json next to the checkpoint: a rerun replaces only its own tasks.
 
     python glue.py --ckpt out/ckpt.pt                       # the eight tasks of the paper
     python glue.py --ckpt out/ckpt.pt --tasks RTE,MRPC --trials 5
     python glue.py --ckpt out/ckpt.pt --random-init         # the "no pretraining" row"""
-import fcntl, json, math, os, time, zipfile
+import argparse, json, math, os, pathlib, time, zipfile
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import Parser, Progress, die, download, entry, load_tokenizer, normalize, seal
+from prepare import Progress, atomic, die, download, entry, load_tokenizer, normalize
 from cram import Crammed, load_checkpoint, load_model, pick_device
 
 # ----------------------------------------------------------------------------- the "sane" recipe
@@ -27,15 +27,7 @@ DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretrainin
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
 # Examples are cut to the checkpoint's row length, seq_len (128 in the recipe): no flag for it.
-LIMITS = {"epochs": (1, math.inf), "batch_size": (1, math.inf), "trials": (1, math.inf),
-          "seed": (0, 2 ** 32 - 1),  # a seed that every random generator accepts
-          "lr": (1e-9, 1)}  # above 0: a smaller step does not move an fp32 weight of ~0.02
 
-GLUE_URL = "https://dl.fbaipublicfiles.com/glue/data/{}.zip"
-MRPC_URL = "https://dl.fbaipublicfiles.com/senteval/senteval_data/msr_paraphrase_train.txt"
-MRPC_DEV_IDS_URL = ("https://firebasestorage.googleapis.com/v0/b/mtl-sentence-representations"
-                    ".appspot.com/o/data%2Fmrpc_dev_ids.tsv?alt=media&token="
-                    "ec5c0836-31d5-48f4-b431-7480817f1adc")
 # task: (zip name, first text column, second text column, label column, labels; None = regression)
 TASKS = {"CoLA": ("CoLA", "sentence", None, "label", ["0", "1"]),
          "SST-2": ("SST-2", "sentence", None, "label", ["0", "1"]),
@@ -59,73 +51,31 @@ REFERENCE = {"BERT-base, fully trained": [83.2, 83.4, 91.9, 86.7, 59.2, 90.6, 87
              "crammed BERT v2 (best of 5)": [84.1, 84.6, 92.0, 87.4, 58.5, 90.2, 87.5, 88.9, 53.3]}
 
 
-def write_atomic(path, data):
-    """Write beside path, then rename: a half-written file never looks complete."""
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-        seal(f, os.path.basename(path))
-
-
-def build_mrpc(folder):
-    """GLUE builds MRPC itself: SentEval's train file split by the dev id pairs, in bytes."""
-    src = download(MRPC_URL, os.path.join(folder, "msr_paraphrase_train.txt"))
-    with open(download(MRPC_DEV_IDS_URL, os.path.join(folder, "mrpc_dev_ids.tsv")), "rb") as f:
-        dev_ids = {tuple(line.split()) for line in f}
-    with open(src, "rb") as f:  # the header keeps its BOM, as in GLUE's files
-        header = f.readline().rstrip(b"\r\n")
-        out = {"train.tsv": [header], "dev.tsv": [header]}
-        for line in f:  # quality, #1 id, #2 id, #1 string, #2 string
-            row = line.strip().split(b"\t")
-            out["dev.tsv" if tuple(row[1:3]) in dev_ids else "train.tsv"].append(b"\t".join(row))
-    for name, lines in out.items():
-        write_atomic(os.path.join(folder, name), b"\n".join(lines) + b"\n")
-
-
-def read_task(task, glue_dir):
-    """{split: rows} of one task, its files downloaded first where missing."""
-    folder = os.path.join(glue_dir, task)
-    files = {"train": "train.tsv", **DEV.get(task, {task: "dev.tsv"})}
-    missing = not all(os.path.exists(os.path.join(folder, f)) for f in files.values())
-    if missing and task == "MRPC":
-        build_mrpc(folder)
-    elif missing:
-        zpath = download(GLUE_URL.format(TASKS[task][0]), os.path.join(folder, task + ".zip"))
-        try:
-            with zipfile.ZipFile(zpath) as z:
-                # the task's own files lie at TASK/name: RTE/train.tsv, not RTE/original/train.tsv
-                found = {os.path.basename(m): m for m in z.namelist() if m.count("/") == 1}
-                for name in files.values():
-                    write_atomic(os.path.join(folder, name), z.read(found[name]))
-        except (zipfile.BadZipFile, KeyError) as e:
-            die(f"{zpath}: not a GLUE zip file ({type(e).__name__}: {e}); delete it, run again")
-        os.remove(zpath)
-    return {s: read_tsv(os.path.join(folder, f), task) for s, f in files.items()}
-
-
+# ----------------------------------------------------------------------------- the examples
 def read_tsv(path, task):
     """[(text a, text b or None, label)] from a GLUE tsv file: tab separated, no quoting, lines
     split at \\n only (a stray \\r inside a text stays), MRPC's BOM dropped."""
     _, col_a, col_b, col_y, labels = TASKS[task]
+    try:
+        lines = pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
+    except UnicodeDecodeError as e:
+        die(f"{path}: not UTF-8 text ({e.reason} at byte {e.start + 1})")
     header, rows = (COLA_HEADER if task == "CoLA" else None), []
-    with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                fields = line.decode("utf-8-sig").rstrip("\r\n").split("\t")
-            except UnicodeDecodeError as e:
-                die(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start + 1})")
-            if header is None:
-                header = fields
-            elif fields != [""]:  # not a blank line
-                row = dict(zip(header, fields))
-                try:  # a short row, or the file of another task, lacks a column
-                    y = row[col_y]
-                    rows.append((row[col_a], row[col_b] if col_b else None,
-                                 float(y) if labels is None else labels.index(y)))
-                except KeyError as e:
-                    die(f"{path}:{n}: no {e.args[0]!r} column here (is this GLUE {task}?)")
-                except ValueError:
-                    wanted = "a number" if labels is None else "one of " + ", ".join(labels)
-                    die(f"{path}:{n}: unknown label {y!r}, expected {wanted}")
+    for n, line in enumerate(lines, 1):
+        fields = line.rstrip("\r").split("\t")
+        if header is None:
+            header = fields
+        elif fields != [""]:  # not a blank line
+            row = dict(zip(header, fields))
+            try:  # a short row, or the file of another task, lacks a column
+                y = row[col_y]
+                rows.append((row[col_a], row[col_b] if col_b else None,
+                             float(y) if labels is None else labels.index(y)))
+            except KeyError as e:
+                die(f"{path}:{n}: no {e.args[0]!r} column here (is this GLUE {task}?)")
+            except ValueError:
+                wanted = "a number" if labels is None else "one of " + ", ".join(labels)
+                die(f"{path}:{n}: unknown label {y!r}, expected {wanted}")
     return rows
 
 
@@ -158,31 +108,7 @@ def encode(enc, specials, rows, seq_len):
     return ids, torch.tensor([r[2] for r in rows])
 
 
-def accuracy(p, y):
-    return float(np.mean(np.asarray(p) == np.asarray(y)))
-
-
-def f1(p, y):
-    p, y = np.asarray(p) == 1, np.asarray(y) == 1
-    tp = float(np.sum(p & y))  # 2tp / (2tp + fp + fn), and 2tp + fp + fn = |p| + |y|
-    return 2 * tp / (np.sum(p) + np.sum(y)) if tp else 0.0
-
-
-def pearson(p, y):
-    p = np.asarray(p, np.float64) - np.mean(p)
-    y = np.asarray(y, np.float64) - np.mean(y)
-    d = math.sqrt(np.sum(p * p) * np.sum(y * y))
-    return float(np.sum(p * y) / d) if d else 0.0  # a constant: no correlation, not nan
-
-
-mcc = pearson  # for 0/1 labels Matthews' coefficient is exactly Pearson's r
-
-
-def score(task, p, y):
-    fns = dict(accuracy=accuracy, f1=f1, mcc=mcc, pearson=pearson)
-    return {m: 100 * fns[m](p, y) for m in METRICS.get(task, ["accuracy"])}
-
-
+# ----------------------------------------------------------------------------- fine-tuning
 class Classifier(nn.Module):
     """The crammed encoder, then v2's head on its first token ([CLS], "zero_index")."""
 
@@ -211,7 +137,7 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     """Fine-tune a fresh copy of the checkpoint on one task; {dev split: {metric: value}}."""
     torch.manual_seed(args.seed + trial)  # the model's head, dropout and the order of examples
     labels, pad = TASKS[task][4], ckpt["tokenizer"]["special_tokens"]["[PAD]"]
-    encoder = load_model(ckpt, args.ckpt, dropout=DROPOUT)
+    encoder = load_model(ckpt, dropout=DROPOUT)
     if args.random_init:  # the same model from random weights: the "no pretraining" row
         encoder = Crammed(encoder.config)
     model = Classifier(encoder, 1 if labels is None else len(labels), pad).to(device)
@@ -245,6 +171,32 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     return results
 
 
+# ----------------------------------------------------------------------------- the metrics
+def accuracy(p, y):
+    return float(np.mean(np.asarray(p) == np.asarray(y)))
+
+
+def f1(p, y):
+    p, y = np.asarray(p) == 1, np.asarray(y) == 1
+    tp = float(np.sum(p & y))  # 2tp / (2tp + fp + fn), and 2tp + fp + fn = |p| + |y|
+    return 2 * tp / (np.sum(p) + np.sum(y)) if tp else 0.0
+
+
+def pearson(p, y):
+    p = np.asarray(p, np.float64) - np.mean(p)
+    y = np.asarray(y, np.float64) - np.mean(y)
+    d = math.sqrt(np.sum(p * p) * np.sum(y * y))
+    return float(np.sum(p * y) / d) if d else 0.0  # a constant: no correlation, not nan
+
+
+mcc = pearson  # for 0/1 labels Matthews' coefficient is exactly Pearson's r
+
+
+def score(task, p, y):
+    fns = dict(accuracy=accuracy, f1=f1, mcc=mcc, pearson=pearson)
+    return {m: 100 * fns[m](p, y) for m in METRICS.get(task, ["accuracy"])}
+
+
 def glue_score(results):
     """The paper's number of each split present, and their mean once all nine are there."""
     numbers = {s: results[s][METRICS.get(s, ["accuracy"])[0]] for s in COLUMNS if s in results}
@@ -252,27 +204,71 @@ def glue_score(results):
     return avg, numbers
 
 
-def save(path, mine):
-    """Re-read the file under the lock and merge this run's splits in: others' saves stay."""
-    with open(path + ".lock", "w") as lock:  # one that cannot be opened: one line by @entry
-        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another run saves; released at close
-        data = {"results": {}}
+# ----------------------------------------------------------------------------- plumbing
+GLUE_URL = "https://dl.fbaipublicfiles.com/glue/data/{}.zip"
+MRPC_URL = "https://dl.fbaipublicfiles.com/senteval/senteval_data/msr_paraphrase_train.txt"
+MRPC_DEV_IDS_URL = ("https://firebasestorage.googleapis.com/v0/b/mtl-sentence-representations"
+                    ".appspot.com/o/data%2Fmrpc_dev_ids.tsv?alt=media&token="
+                    "ec5c0836-31d5-48f4-b431-7480817f1adc")
+
+
+def build_mrpc(folder):
+    """GLUE builds MRPC itself: SentEval's train file split by the dev id pairs, in bytes."""
+    src = download(MRPC_URL, os.path.join(folder, "msr_paraphrase_train.txt"))
+    with open(download(MRPC_DEV_IDS_URL, os.path.join(folder, "mrpc_dev_ids.tsv")), "rb") as f:
+        dev_ids = {tuple(line.split()) for line in f}
+    with open(src, "rb") as f:  # the header keeps its BOM, as in GLUE's files
+        header = f.readline().rstrip(b"\r\n")
+        out = {"train.tsv": [header], "dev.tsv": [header]}
+        for line in f:  # quality, #1 id, #2 id, #1 string, #2 string
+            row = line.strip().split(b"\t")
+            out["dev.tsv" if tuple(row[1:3]) in dev_ids else "train.tsv"].append(b"\t".join(row))
+    for name, lines in out.items():
+        with atomic(os.path.join(folder, name)) as f:
+            f.write(b"\n".join(lines) + b"\n")
+
+
+def read_task(task, glue_dir):
+    """{split: rows} of one task, its files downloaded first where missing."""
+    folder = os.path.join(glue_dir, task)
+    files = {"train": "train.tsv", **DEV.get(task, {task: "dev.tsv"})}
+    missing = not all(os.path.exists(os.path.join(folder, f)) for f in files.values())
+    if missing and task == "MRPC":
+        build_mrpc(folder)
+    elif missing:
+        zpath = download(GLUE_URL.format(TASKS[task][0]), os.path.join(folder, task + ".zip"))
         try:
-            if os.path.exists(path):
-                with open(path) as f:
-                    data = json.load(f)
-            data["results"].update(mine)  # a rerun of a task replaces that task only
-            data["average"] = glue_score(data["results"])[0]
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            die(f"{path}: not a glue.py results file ({type(e).__name__}); move it aside")
-        if mine:
-            write_atomic(path, json.dumps(data, indent=1).encode())
+            with zipfile.ZipFile(zpath) as z:
+                # the task's own files lie at TASK/name: RTE/train.tsv, not RTE/original/train.tsv
+                found = {os.path.basename(m): m for m in z.namelist() if m.count("/") == 1}
+                for name in files.values():
+                    with atomic(os.path.join(folder, name)) as f:
+                        f.write(z.read(found[name]))
+        except (zipfile.BadZipFile, KeyError) as e:
+            die(f"{zpath}: not a GLUE zip file ({type(e).__name__}: {e}); delete it, run again")
+        os.remove(zpath)
+    return {s: read_tsv(os.path.join(folder, f), task) for s, f in files.items()}
+
+
+def save(path, mine):
+    """glue.json with this run's dev splits merged in: a rerun of a task replaces that task."""
+    data = {"results": {}}
+    try:
+        if os.path.exists(path):
+            data = json.loads(pathlib.Path(path).read_text())
+        data["results"].update(mine)
+        data["average"] = glue_score(data["results"])[0]
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        die(f"{path}: not a glue.py results file ({type(e).__name__}); move it aside")
+    if mine:
+        with atomic(path, "w") as f:
+            json.dump(data, f, indent=1)
     return data
 
 
-@entry
-def main(argv=None):
-    ap = Parser(__doc__, LIMITS)
+def get_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
     arg("--ckpt", required=True, help="cram checkpoint to fine-tune")
     arg("--glue-dir", default="data/glue", help="GLUE task folders (default: %(default)s)")
@@ -282,22 +278,29 @@ def main(argv=None):
     arg("--batch-size", type=int, default=BATCH_SIZE, help="(default: %(default)s)")
     arg("--seed", type=int, default=0, help="trial k uses seed + k - 1 (default: %(default)s)")
     arg("--trials", type=int, default=TRIALS, help="runs; median reported (default: %(default)s)")
+    arg("--max-train-samples", type=int, help="fine-tune on the first N training examples only")
     arg("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
     arg("--random-init", action="store_true", help="no pretraining; into glue-random-init.json")
     args = ap.parse_args(argv)
     known = {t.lower(): t for t in TASKS}  # any case: sst-2, SST-2 and Sst-2 are SST-2
     if not set(args.tasks.lower().split(",")) <= set(known):
         die(f"--tasks {args.tasks}: name one or more of {','.join(TASKS)}")
-    args.tasks = ",".join(known[t] for t in args.tasks.lower().split(","))
-    ckpt = load_checkpoint(args.ckpt)
-    device = pick_device(args.device)
-    name = "glue-random-init.json" if args.random_init else "glue.json"
-    out = os.path.join(os.path.dirname(args.ckpt), name)
+    args.tasks = [known[t] for t in args.tasks.lower().split(",")]
+    return args
+
+
+@entry
+def main(argv=None):
+    args = get_args(argv)
+    ckpt, device = load_checkpoint(args.ckpt), pick_device(args.device)
+    out = os.path.join(os.path.dirname(args.ckpt),
+                       "glue-random-init.json" if args.random_init else "glue.json")
     mine = {}  # this run's finished dev splits
-    save(out, mine)  # a results file that cannot be read or written fails now
-    data = {t: read_task(t, args.glue_dir) for t in args.tasks.split(",")}  # all, then train
+    save(out, mine)  # a results file that cannot be read fails now, not after fine-tuning
+    data = {t: read_task(t, args.glue_dir) for t in args.tasks}  # all files read, then training
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
     for task, rows in data.items():
+        rows["train"] = rows["train"][:args.max_train_samples]  # None: all of them
         splits = {s: encode(enc, specials, r, ckpt["model_config"]["seq_len"])
                   for s, r in rows.items()}
         train = splits.pop("train")

@@ -43,9 +43,8 @@ def data(tmp_path_factory):
 
 
 def data_file(out, kind):
-    """The path of a prepared folder's train, val or tokenizer file, as its meta.json names it."""
-    meta = json.load(open(os.path.join(out, "meta.json")))
-    return os.path.join(out, meta["tokenizer_file"] if kind == "tokenizer" else meta[kind]["file"])
+    """The path of a prepared folder's train, val or tokenizer file."""
+    return os.path.join(out, "tokenizer.tiktoken" if kind == "tokenizer" else kind + ".bin")
 
 
 def folder_bytes(out):
@@ -128,16 +127,11 @@ def test_deterministic_and_meta(tmp_path):
     one, two = folder_bytes(o1), folder_bytes(o2)
     del one["meta.json"], two["meta.json"]
     assert one == two  # the same names, the same bytes
-    assert meta["filters"]["duplicates_dropped"] == 5
+    assert meta["filters"]["duplicates"] == 5
     assert meta["documents"] == 200 and meta["seq_len"] == 32
     for split in ("train", "val"):
-        b = open(data_file(o1, split), "rb").read()
-        assert meta[split]["bytes"] == len(b) == meta[split]["rows"] * 32 * 2
-        assert meta[split]["file"] == f"{split}-{hashlib.sha256(b).hexdigest()[:8]}.bin"  # named after its content
-    tok = open(data_file(o1, "tokenizer"), "rb").read()
-    assert meta["tokenizer_file"] == f"tokenizer-{hashlib.sha256(tok).hexdigest()[:8]}.tiktoken"
-    assert sorted(os.listdir(o1)) == sorted(["lock", "meta.json", meta["tokenizer_file"], meta["train"]["file"], meta["val"]["file"]])
-    assert meta["format"] == "cram-data-2" and m1 == m2
+        assert os.path.getsize(data_file(o1, split)) == meta[split]["rows"] * 32 * 2
+    assert sorted(os.listdir(o1)) == ["meta.json", "tokenizer.tiktoken", "train.bin", "val.bin"]
     assert meta["characters"] / meta["tokens"] > 3
 
 
@@ -177,16 +171,15 @@ def test_reuse_tokenizer(tmp_path, data):
     args = ["--input", held, "--out", str(tmp_path / "held"), "--seq-len", "32", "--trash", "1", "--tokenizer"]
     meta = prepare.main([*args, data])  # no --vocab-size: the tokenizer's
     assert open(data_file(str(tmp_path / "held"), "tokenizer")).read() == open(data_file(data, "tokenizer")).read()
-    assert meta["vocab_size"] == 350 and meta["tokenizer_file"] == json.load(open(os.path.join(data, "meta.json")))["tokenizer_file"]
-    assert prepare.main([*args, str(tmp_path / "held"), "--vocab-size", "350"]) == meta  # into its own folder
-    with pytest.raises(SystemExit, match="--vocab-size 1024: .*data has 350 tokens"):
-        prepare.main([*args, data, "--vocab-size", "1024"])
+    assert meta["vocab_size"] == 350 and meta["special_tokens"] == prepare.read_prepared(data)[0]["special_tokens"]
+    args[3] = str(tmp_path / "again")
+    assert prepare.main([*args, data, "--vocab-size", "1024"])["vocab_size"] == 350  # the tokenizer's
 
 
 def test_bad_inputs(tmp_path):
     out = str(tmp_path / "out")
-    run = lambda *inp: prepare.main(["--input", *inp, "--out", out, "--vocab-size", "300", "--seq-len", "32", "--trash", "1"])
-    with pytest.raises(SystemExit, match="input not found: .*nope"):
+    run = lambda *inp: prepare.main(["--input", *inp, "--out", out, "--vocab-size", "300", "--seq-len", "32", "--trash", "2"])
+    with pytest.raises(SystemExit, match="nope.jsonl: No such file or directory"):
         run(str(tmp_path / "nope.jsonl"))
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SystemExit, match="no text"):
@@ -201,7 +194,7 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "short.jsonl").write_text(json.dumps({"text": "just a few words"}) + "\n")
     with pytest.raises(SystemExit, match="too little data"):
         run(str(tmp_path / "short.jsonl"))
-    assert os.listdir(out) == ["lock"]  # nothing that looks complete, no leftovers
+    assert "meta.json" not in os.listdir(out)  # nothing that looks complete
     # single bad lines are skipped and counted
     lines = [json.dumps({"text": d}).encode() for d in make_docs(200)]
     lines[3], lines[7], lines[9] = b'{"title": "no text field"}', b'{"text": "bad \xff\xfe utf8"}', b"{broken json"
@@ -220,14 +213,20 @@ def test_an_unreadable_input_is_not_a_write_error(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare, "open", fake_open, raising=False)
     with pytest.raises(SystemExit, match=f"^error: {src}: Permission denied$"):
         prepare.main(["--input", src, "--out", str(tmp_path / "o"), "--vocab-size", "300"])
-    assert os.listdir(tmp_path / "o") == ["lock"]
+    assert os.listdir(tmp_path / "o") == []
 
 
-def test_trash_filter(tmp_path):
+def test_trash_filter(tmp_path, capsys):
     docs = make_docs(100) + ["".join(map(chr, np.random.default_rng(1).integers(0x4e00, 0x9fff, 3000)))]
-    meta, _ = prep(str(tmp_path), docs, "--trash", "0.8")
-    assert meta["filters"]["trash_dropped"] == 1 and meta["filters"]["trash_chars_dropped"] == 3000
-    with pytest.raises(SystemExit, match=r"the trash filter dropped all 101 documents .*raise --trash \(now 0.01\)"):
+    meta, out = prep(str(tmp_path), docs, "--trash", "0.8")
+    assert meta["filters"]["trash"] == 1 and meta["filters"]["trash_chars"] == 3000
+    assert "WARNING: the trash filter dropped 3,000 of" in capsys.readouterr().err  # over 5% of the text
+    enc, texts = prepare.load_tokenizer(prepare.read_prepared(out)[1]), [prepare.normalize(d) for d in docs[:100]]
+    ratios = sorted(len(enc.encode_ordinary(t)) / len(t) for t in texts)
+    trash = (ratios[49] + ratios[50]) / 2  # the paper's rule: a document stays if tokens < trash x characters
+    meta, _ = prep(str(tmp_path), docs[:100], "--tokenizer", out, "--trash", repr(trash), name="half")
+    assert meta["documents"] == 50 and meta["filters"]["trash"] == 50
+    with pytest.raises(SystemExit, match=r"the trash filter dropped all 101 documents .*raise --trash"):
         prep(str(tmp_path), docs, "--trash", "0.01", name="all")
 
 
@@ -271,7 +270,7 @@ def test_c4_shards_download_and_a_restart_fetches_only_what_is_missing(tmp_path,
     c4_shards(h, 3)
     monkeypatch.setattr(prepare, "C4_URL", url + "/c4-{i}.json.gz")
     h.BROKEN = {"/c4-2.json.gz"}  # a connection that keeps breaking: the run stops
-    args = ["--shards", "3", "--out", str(tmp_path), "--vocab-size", "300", "--seq-len", "32", "--workers", "2"]
+    args = ["--shards", "3", "--out", str(tmp_path), "--vocab-size", "300", "--seq-len", "32", "--workers", "2", "--trash", "1"]
     with pytest.raises(SystemExit, match="download failed: .*c4-2.json.gz"):
         prepare.main(args)
     with ThreadPoolExecutor(1) as fetcher:  # shard 1 downloads while shard 0 is read
@@ -284,13 +283,13 @@ def test_c4_shards_download_and_a_restart_fetches_only_what_is_missing(tmp_path,
         assert os.path.exists(tmp_path / "ahead" / "raw" / "c4-train.00001.json.gz")
     shutil.rmtree(tmp_path / "ahead")
     assert sorted(os.listdir(tmp_path / "raw"))[:2] == ["c4-train.00000.json.gz", "c4-train.00001.json.gz"]
-    assert sorted(os.listdir(tmp_path)) == ["lock", "raw"]
+    assert sorted(os.listdir(tmp_path)) == ["raw"]
     h.BROKEN, h.hits[:] = set(), []
     meta = prepare.main(args)  # started again: shards 0 and 1 are not fetched again
     assert h.hits == ["/c4-2.json.gz"] and meta["documents"] == 300
     assert meta["sources"] == [url + f"/c4-{i}.json.gz" for i in range(3)]
     with pytest.raises(SystemExit, match="c4-3.json.gz: HTTP 404"):
-        prepare.main([*args, "--shards", "4"])
+        prepare.main([*args, "--shards", "4", "--out", str(tmp_path / "four")])
     assert prepare.read_prepared(str(tmp_path))[0] == meta
 
 
@@ -334,150 +333,68 @@ def test_workers_give_identical_output(tmp_path, monkeypatch):
     lines[5], lines[50] = '{"text": null}', "{broken"
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     metas = []
-    for workers, task_bytes in (("1", 3000), ("3", 3000), ("2", 1 << 20)):  # many tasks, or one
-        monkeypatch.setattr(prepare, "TASK_BYTES", task_bytes)
+    monkeypatch.setattr(prepare, "JOB_BYTES", 3000)  # many jobs; the tokenizer sees the first 7
+    for workers in ("1", "3", "2"):
         metas.append(prepare.main(["--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / workers),
-                                   "--vocab-size", "300", "--seq-len", "16", "--workers", workers, "--sample-mb", "0.02"]))
-        assert metas[-1]["filters"]["bad_lines"] == 2 and metas[-1]["filters"]["duplicates_dropped"] == 19  # doc 5 was replaced
+                                   "--vocab-size", "300", "--seq-len", "16", "--workers", workers, "--sample-mb", "0.02", "--trash", "1"]))
+        assert metas[-1]["filters"]["bad_lines"] == 2 and metas[-1]["filters"]["duplicates"] == 19  # doc 5 was replaced
     assert metas[0] == metas[1] == metas[2]
     assert folder_bytes(tmp_path / "1") == folder_bytes(tmp_path / "3") == folder_bytes(tmp_path / "2")
 
 
-def test_failed_rerun_keeps_the_old_folder(tmp_path):
+def test_prepared_data_is_never_overwritten(tmp_path):
     meta, out = prep(str(tmp_path), make_docs(200))
     before = folder_bytes(out)
-    (tmp_path / "short.jsonl").write_text(json.dumps({"text": "a few words"}) + "\n")
-    args = ["--out", out, "--vocab-size", "300", "--seq-len", "32"]
-    with pytest.raises(SystemExit, match="too little data"):
-        prepare.main(["--input", str(tmp_path / "short.jsonl"), *args])
-    with pytest.raises(SystemExit, match="input not found"):
-        prepare.main(["--input", str(tmp_path / "nope.jsonl"), *args])
-    assert folder_bytes(out) == before  # nothing lost, nothing left over
-    assert prepare.read_prepared(out)[0] == meta
-
-
-def failing(real, calls, k, after):
-    """`real`, except that the k-th call of all those counted by `calls` is a Ctrl-C, before or after it acts."""
-    def call(*a, **kw):
-        n = next(calls)
-        if n == k and not after:
-            raise KeyboardInterrupt
-        result = real(*a, **kw)
-        if n == k:
-            raise KeyboardInterrupt
-        return result
-    return call
-
-
-@pytest.mark.parametrize("after", [False, True])
-def test_a_kill_at_any_step_of_the_publish_leaves_old_or_new(tmp_path, monkeypatch, after):
-    old, out = prep(str(tmp_path), make_docs(200))
-    before = folder_bytes(out)
-    new, _ = prep(str(tmp_path), make_docs(150, seed=1), name="new")  # what a rerun on new.jsonl writes
-    args = ["--input", str(tmp_path / "new.jsonl"), "--out", out, "--vocab-size", "350", "--seq-len", "32", "--trash", "1"]
-    for k in itertools.count(1):  # fsync and rename the tokenizer, train, val, then meta.json: the commit
-        calls = itertools.count(1)
-        with monkeypatch.context() as m:
-            m.setattr(os, "fsync", failing(os.fsync, calls, k, after))
-            m.setattr(os, "replace", failing(os.replace, calls, k, after))
-            try:
-                prepare.main(args)
-                break
-            except SystemExit as e:
-                assert e.code == 130
-        meta = prepare.read_prepared(out)[0]
-        named = {"lock", "meta.json", meta["tokenizer_file"], meta["train"]["file"], meta["val"]["file"]}
-        assert set(os.listdir(out)) == named  # no leftovers, whichever is in
-        if meta == old:
-            assert folder_bytes(out) == before
-        else:
-            assert meta == new and k == 8 and after  # only once the last rename is done
-    assert k == 9 and prepare.read_prepared(out)[0] == new
-
-
-def test_a_second_run_on_one_out_is_refused(tmp_path):
-    meta, out = prep(str(tmp_path), make_docs(200))
-    with open(os.path.join(out, "lock")) as held:  # another prepare.py, writing
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(SystemExit, match="data: another prepare.py is writing into it"):
-            prep(str(tmp_path), make_docs(100, seed=2))
-    assert prepare.read_prepared(out)[0] == meta
-
-
-def test_ctrl_c_in_bpe_training_leaves_the_old_folder(tmp_path, monkeypatch, capsys):
-    meta, out = prep(str(tmp_path), make_docs(200))
-    before = folder_bytes(out)
-    def interrupted(counts, n_vocab):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(prepare, "train_bpe", interrupted)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit, match="--out .*data holds prepared data \\(meta.json\\)"):
         prep(str(tmp_path), make_docs(150, seed=1))
-    assert e.value.code == 130 and capsys.readouterr().err.strip().endswith("error: interrupted")
     assert folder_bytes(out) == before and prepare.read_prepared(out)[0] == meta
 
 
-def test_read_prepared_checks_that_the_folder_agrees_with_meta_json(tmp_path, data):
-    def damaged(edit=None, name=None, content=None):
+@pytest.mark.parametrize("where", ["train_bpe", "replace"])
+def test_an_interrupted_run_leaves_no_meta_json(tmp_path, monkeypatch, capsys, where):
+    def interrupted(*a, **k):  # Ctrl-C while the tokenizer trains, or at the last step, the rename
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare if where == "train_bpe" else os, where, interrupted)
+    with pytest.raises(SystemExit) as e:
+        prep(str(tmp_path), make_docs(150, seed=1))
+    assert e.value.code == 130 and capsys.readouterr().err.strip().endswith("error: interrupted")
+    monkeypatch.undo()
+    assert not os.path.exists(tmp_path / "data" / "meta.json")  # not data, and cram.py says so
+    with pytest.raises(SystemExit, match="data: no prepared data \\(no meta.json\\)"):
+        cram.main(["--data", str(tmp_path / "data"), "--out", str(tmp_path / "o"), *TINY])
+    assert prep(str(tmp_path), make_docs(150, seed=1))[0]["documents"] == 150  # run again: it completes
+
+
+def test_read_prepared_names_a_missing_or_damaged_file(tmp_path, data):
+    def damaged(name, content):
         bad = tmp_path / "bad"
-        if bad.exists():
-            for f in os.listdir(bad):
-                os.remove(bad / f)
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(data, bad)
+        if content is None:
+            os.remove(bad / name)
         else:
-            bad.mkdir()
-        for f, b in folder_bytes(data).items():
-            (bad / f).write_bytes(b)
-        meta = json.load(open(bad / "meta.json"))
-        if edit:
-            edit(meta)
-            (bad / "meta.json").write_text(json.dumps(meta))
-        if name:
-            (bad / meta[name]["file"] if name in ("train", "val") else bad / meta[name]).write_bytes(content)
+            (bad / name).write_bytes(content)
         return str(bad)
-    good = prepare.read_prepared(data)
-    tok = open(data_file(data, "tokenizer"), "rb").read()
-    cases = [  # (damage, what the one line says)
-        (dict(edit=lambda m: m.update(vocab_size=300)), r"tokenizer-\w+.tiktoken: 350 tokens \(specials 346..349\), but meta.json says 300"),
-        (dict(edit=lambda m: m.update(vocab_size="350")), r"tokenizer-\w+.tiktoken: 350 tokens .*, but meta.json says 350"),
-        (dict(edit=lambda m: m.update(vocab_size=70000)), r"tokenizer-\w+.tiktoken: 350 tokens .*, but meta.json says 70000"),
-        (dict(edit=lambda m: m["special_tokens"].update({"[SEP]": 350})), r"tokenizer-\w+.tiktoken: 350 tokens \(specials 346..350\)"),
-        (dict(edit=lambda m: m.pop("train")), r"meta.json: unreadable \(KeyError"),
-        (dict(name="tokenizer_file", content=tok[: tok.index(b" ", len(tok) // 2) - 1]), r"tokenizer-\w+.tiktoken: unreadable"),
-        (dict(name="tokenizer_file", content=b"".join(tok.splitlines(keepends=True)[:300])), r"tokenizer-\w+.tiktoken: 304 tokens .*, but meta.json says 350"),
-        (dict(name="tokenizer_file", content=b"not base64 at all\n!!\n"), r"tokenizer-\w+.tiktoken: unreadable"),
-        (dict(name="val", content=b"\0" * 100), r"val-\w+.bin: 100 bytes, but meta.json says [\d,]+: damaged"),
-        (dict(name="val", content=b"\xff" * good[0]["val"]["bytes"]), r"val-\w+.bin: holds token 65535, but meta.json says vocab_size 350"),
-    ]
-    for damage, says in cases:
+    meta, tok = prepare.read_prepared(data)[:2]
+    ranks = tok["ranks"].encode()
+    cases = [  # (file, its new content or None: removed, what the one line says)
+        ("meta.json", json.dumps(dict(meta, vocab_size=300)).encode(), r"tokenizer.tiktoken: .*not the 300 tokens of meta.json"),
+        ("meta.json", json.dumps({k: v for k, v in meta.items() if k != "train"}).encode(), r"train.bin: .*KeyError"),
+        ("meta.json", b"{not json", r"meta.json: .*JSONDecodeError"),
+        ("tokenizer.tiktoken", b"".join(ranks.splitlines(keepends=True)[:300]), r"tokenizer.tiktoken: .*not the 350 tokens"),
+        ("tokenizer.tiktoken", b"not base64 at all\n!!\n", r"tokenizer.tiktoken: .*ValueError"),
+        ("tokenizer.tiktoken", None, r"tokenizer.tiktoken: .*FileNotFoundError"),
+        ("val.bin", b"\0" * 64 * (meta["val"]["rows"] + 1), r"val.bin: .* rows, meta.json says"),
+        ("val.bin", b"\0" * 100, r"val.bin: .*ValueError"),
+        ("train.bin", None, r"train.bin: .*FileNotFoundError")]
+    for name, content, says in cases:
         with pytest.raises(SystemExit, match=f"^error: .*bad/{says}.*; run prepare.py again$"):
-            prepare.read_prepared(damaged(**damage))
-    (tmp_path / "bad" / "meta.json").write_text("{not json")
-    with pytest.raises(SystemExit, match=r"bad/meta.json: unreadable \(JSONDecodeError.*run prepare.py again"):
-        prepare.read_prepared(str(tmp_path / "bad"))
-    os.remove(damaged().rstrip("/") + "/" + good[0]["train"]["file"])
-    with pytest.raises(SystemExit, match=r"bad/train-\w+.bin: missing; run prepare.py again"):
-        prepare.read_prepared(str(tmp_path / "bad"))
+            prepare.read_prepared(damaged(name, content))
     with pytest.raises(SystemExit, match="none: no prepared data .*run prepare.py"):
         prepare.read_prepared(str(tmp_path / "none"))
-    with pytest.raises(SystemExit, match=r"tokenizer-\w+.tiktoken: 304 tokens"):  # --tokenizer checks the same way
-        prepare.main(["--input", write_jsonl(str(tmp_path / "x.jsonl"), make_docs(5)), "--tokenizer", damaged(name="tokenizer_file", content=b"".join(tok.splitlines(keepends=True)[:300]))])
-
-
-def test_trash_filter_scales_with_the_vocabulary(tmp_path, capsys):
-    rng = np.random.default_rng(2)
-    cjk = ["".join(map(chr, rng.integers(0x4e00, 0x9fff, 300))) for _ in range(20)]
-    write_jsonl(str(tmp_path / "en.jsonl"), make_docs(300))
-    for vocab in ("261", "2048"):  # at 261 English has ~0.8 tokens/char: a fixed 0.3 would drop it all
-        meta = prepare.main(["--input", str(tmp_path / "en.jsonl"), "--out", str(tmp_path / vocab),
-                             "--vocab-size", vocab, "--seq-len", "16"])
-        assert meta["documents"] == 300 and meta["filters"]["trash_dropped"] == 0
-    assert meta["sample_tokens_per_char"] < 0.3 < prepare.read_prepared(str(tmp_path / "261"))[0]["sample_tokens_per_char"]
-    assert "--trash" not in capsys.readouterr().err
-    write_jsonl(str(tmp_path / "mixed.jsonl"), make_docs(80) + cjk)
-    meta = prepare.main(["--input", str(tmp_path / "mixed.jsonl"), "--out", str(tmp_path / "m"),
-                         "--vocab-size", "261", "--seq-len", "16"])
-    assert meta["documents"] == 80 and meta["filters"]["trash_dropped"] == 20
-    err = capsys.readouterr().err
-    assert "WARNING: the trash filter dropped" in err and "raise --trash" in err
+    with pytest.raises(SystemExit, match=r"bad/tokenizer.tiktoken: .*not the 350"):  # --tokenizer reads it the same way
+        prepare.main(["--input", write_jsonl(str(tmp_path / "x.jsonl"), make_docs(5)), "--out", str(tmp_path / "x"),
+                      "--tokenizer", damaged("tokenizer.tiktoken", b"".join(ranks.splitlines(keepends=True)[:300]))])
 
 
 def test_text_that_is_not_a_string_is_a_bad_line(tmp_path, capsys):
@@ -485,7 +402,7 @@ def test_text_that_is_not_a_string_is_a_bad_line(tmp_path, capsys):
     lines[1:1] = ['{"text": null}', '{"text": 12}', '{"text": ["a", "b"]}', '{"title": "x"}', "[1, 2]", '"just a string"', '{"text": " \\n "}']
     (tmp_path / "odd.jsonl").write_text("\n".join(lines) + "\n")
     meta = prepare.main(["--input", str(tmp_path / "odd.jsonl"), "--out", str(tmp_path / "o"), "--vocab-size", "300",
-                         "--seq-len", "16", "--workers", "2"])
+                         "--seq-len", "16", "--workers", "2", "--trash", "1"])
     assert meta["filters"]["bad_lines"] == 7 and meta["documents"] == 100
     assert "Traceback" not in capsys.readouterr().err
 
@@ -500,14 +417,15 @@ def test_download_retries_are_said(tmp_path, http_server, capsys):
     assert "HTTP 503 (attempt 1 of 5); waiting 0.01s" in retries[0] and "attempt 4 of 5" in retries[-1]
 
 
-def test_the_papers_defaults_and_the_sizing_table():
-    args = prepare.parse_args([])
-    assert (args.vocab_size, prepare.VOCAB_SIZE, args.seq_len, args.trash, args.sample_mb) == (None, 32768, 128, 0.3, 100)
-    assert prepare.SHARDS == 33 and "33 shards (the default)" in prepare.__doc__ and "406 shards" in prepare.__doc__
+def test_the_papers_defaults():
+    args = prepare.get_args([])
+    assert (args.vocab_size, args.seq_len, args.trash, args.sample_mb, args.shards) == (32768, 128, 0.3, 100, 33)
+    with pytest.raises(SystemExit, match="--vocab-size 70000: ids are stored as uint16, at most 65536"):
+        prepare.get_args(["--vocab-size", "70000"])
 
 
-def test_at_most_two_tasks_per_worker_in_flight(monkeypatch):
-    class Pool:  # runs each task when it is collected, and counts those handed out but not collected
+def test_at_most_two_jobs_per_worker_in_flight(monkeypatch):
+    class Pool:  # runs each job when it is collected, and counts those handed out but not collected
         def __init__(self):
             self.out, self.most = 0, 0
         def apply_async(self, fn, args):
@@ -516,28 +434,11 @@ def test_at_most_two_tasks_per_worker_in_flight(monkeypatch):
             return self
         def get(self):
             self.out -= 1
-            return [None], {}
-    monkeypatch.setattr(prepare, "tasks", lambda files: ([i] for i in range(50)))
-    pool, s = Pool(), {"bad_lines": 0}
-    assert len(list(prepare.ordered(pool, ["x"], 3, None, s))) == 50 and s["bad_lines"] == 50
+            return self.out
+    monkeypatch.setattr(prepare, "jobs", lambda files: ([i] for i in range(50)))
+    pool = Pool()
+    assert len(list(prepare.in_order(pool, None, (), ["x"], 3))) == 50
     assert pool.most == 6 and pool.out == 0
-
-
-@pytest.mark.parametrize("flag,value", [("--vocab-size", "260"), ("--vocab-size", "70000"), ("--seq-len", "1"),
-                                        ("--trash", "0.001"), ("--trash", "nan"), ("--sample-mb", "-1.5"), ("--shards", "0"),
-                                        ("--shards", "1025"), ("--workers", "0")])
-def test_prepare_out_of_range_flags(tmp_path, flag, value):
-    with pytest.raises(SystemExit, match=f"error: {flag} {value}: must be in .*\\.\\."):
-        prepare.main([flag, value, "--out", str(tmp_path / "o")])
-    assert not os.path.exists(tmp_path / "o")  # checked before any work
-
-
-def test_flags_that_do_not_go_together_or_are_empty(tmp_path):
-    with pytest.raises(SystemExit, match="--shards chooses C4 shards: not with --input"):
-        prepare.main(["--input", "x.jsonl", "--shards", "3", "--out", str(tmp_path / "o")])
-    with pytest.raises(SystemExit, match="^error: --tokenizer: empty$"):
-        prepare.main(["--tokenizer", "", "--out", str(tmp_path / "o")])
-    assert not os.path.exists(tmp_path / "o")
 
 
 # ----------------------------------------------------------------------------- cram.py
@@ -601,12 +502,11 @@ def test_schedule_and_ramp():
 
 def test_overfits_tiny_dataset(tmp_path, data):
     small = tmp_path / "small"
-    small.mkdir()
-    meta = json.load(open(os.path.join(data, "meta.json")))
-    (small / meta["tokenizer_file"]).write_bytes(open(os.path.join(data, meta["tokenizer_file"]), "rb").read())
-    rows = np.fromfile(os.path.join(data, meta["train"]["file"]), np.uint16)[: 8 * 32]
-    rows.tofile(small / meta["train"]["file"]), rows.tofile(small / meta["val"]["file"])
-    meta["train"]["bytes"] = meta["val"]["bytes"] = rows.nbytes
+    shutil.copytree(data, small)
+    rows = np.fromfile(small / "train.bin", np.uint16)[: 8 * 32]
+    rows.tofile(small / "train.bin"), rows.tofile(small / "val.bin")
+    meta = json.load(open(small / "meta.json"))
+    meta["train"]["rows"] = meta["val"]["rows"] = 8
     json.dump(meta, open(small / "meta.json", "w"))
     cram.main(["--data", str(small), "--out", str(tmp_path / "out"), "--steps", "500", "--lr", "3e-3", *TINY,
                "--batch-size", "8", "--log-every", "1"])
@@ -651,16 +551,67 @@ def test_sigterm_checkpoint_and_exact_resume(tmp_path, data):
     assert records(full)[-1]["val_loss"] == records(part)[-1]["val_loss"]
 
 
-def test_torchrun_two_gloo_processes_agree(tmp_path, data):
-    out = str(tmp_path / "ddp")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        os.path.join(HERE, "cram.py"), "--data", data, "--out", out, "--steps", "6", *TINY],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    log = records(out)
-    assert any(rec.get("ranks_agree") is True and rec["world"] == 2 for rec in log)
-    assert log[-1]["seqs"] == sum(8 * 2 * cram.ramp(s / 6, 16, 16) for s in range(6))
-    assert cram.load_checkpoint(os.path.join(out, "ckpt.pt"))["step"] == 6
+WRAPPER = """import os, sys, time
+sys.path.insert(0, {here!r})
+import cram
+real_save = cram.torch.save
+def slow_save(obj, f):  # a checkpoint that takes seconds to write, as 1.4 GB do
+    time.sleep({delay})
+    real_save(obj, f)
+cram.torch.save = slow_save
+model = cram.main(sys.argv[1:])  # each rank's replica, to compare
+real_save(model.state_dict(), os.path.join({out!r}, "rank%s.pt" % os.environ["RANK"]))
+"""
+
+
+def torchrun(tmp_path, out, *flags, delay=0.0):
+    script = tmp_path / "wrapper.py"
+    script.write_text(WRAPPER.format(here=HERE, delay=delay, out=out))
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(script), "--out", out, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def replicas_agree(out):
+    a, b = (torch.load(os.path.join(out, f"rank{r}.pt")) for r in (0, 1))
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ddp_signal_to_the_workers_waits_for_the_save_and_resumes_exactly(tmp_path, data):
+    """torchrun, two gloo processes, accumulation (batch 64 = 4 x 8 x 2): uninterrupted, then
+    SIGTERM to the workers during a slow save, then --resume: the same weights, bit for bit."""
+    flags = ["--data", data, "--steps", "12", *TINY, "--batch-size", "64"]
+    full = str(tmp_path / "full")
+    p = torchrun(tmp_path, full, *flags)
+    assert p.wait(300) == 0, p.stdout.read()
+    assert replicas_agree(full) and records(full)[-2]["seqs"] == sum(16 * cram.ramp(s / 12, 64, 16) for s in range(12))
+    part = str(tmp_path / "part")
+    p = torchrun(tmp_path, part, *flags, "--save-every", "0", delay=2.0)
+    while not os.path.exists(os.path.join(part, "log.jsonl")) or len(records(part)) < 3:
+        assert p.poll() is None, p.stdout.read()
+        time.sleep(0.05)
+    workers = open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()
+    for pid in workers:  # as a scheduler that signals every process does
+        os.kill(int(pid), signal.SIGTERM)
+    out = p.communicate(timeout=120)[0]
+    stopped = [line for line in out.splitlines() if "stopped by signal 15 at step" in line]
+    assert stopped and p.returncode != 0, out
+    step = cram.load_checkpoint(os.path.join(part, "ckpt.pt"))["step"]
+    assert f"at step {step}:" in stopped[0] and 0 < step < 12  # the last step is on the disk
+    p = torchrun(tmp_path, part, *flags, "--resume")
+    assert p.wait(300) == 0, p.stdout.read()
+    a, b = torch.load(os.path.join(full, "ckpt.pt")), torch.load(os.path.join(part, "ckpt.pt"))
+    assert a["step"] == b["step"] == 12 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_batches_keep_numpys_permutation_in_four_bytes_a_row():
+    rows = np.arange(1000, dtype=np.uint16).reshape(-1, 1).repeat(4, 1)
+    data = cram.Batches(rows, 10, seed=3)
+    got = np.concatenate([next(data)[:, 0].numpy() for _ in range(100)])
+    want = np.random.default_rng((3, 0)).permutation(1000)
+    assert (np.sort(got.reshape(100, 10), 1) == np.sort(want.reshape(100, 10), 1)).all()
+    assert data.order.dtype == np.uint32 and (data.epoch, data.pos) == (0, 1000)
+    next(data)
+    assert data.epoch == 1 and data.pos == 10  # a new permutation every epoch
 
 
 def test_bench_prints_tokens_per_second(capsys):
@@ -685,18 +636,11 @@ def test_eval_on_held_out_text(tmp_path, data, capsys):
         cram.main(["--data", other, "--out", str(tmp_path), "--eval", *TINY])
 
 
-def test_non_finite_steps_are_skipped_then_abort(tmp_path, data, monkeypatch):
+def test_a_non_finite_step_stops_with_one_line(tmp_path, data, monkeypatch):
     ce = cram.F.cross_entropy
     monkeypatch.setattr(cram.F, "cross_entropy", lambda *a, **k: ce(*a, **k) * float("nan"))
-    with pytest.raises(SystemExit, match="not finite for 20 steps in a row at step 19"):
+    with pytest.raises(SystemExit, match="loss or gradients not finite at step 0: .*ckpt.pt holds the last good"):
         cram.main(["--data", data, "--out", str(tmp_path), "--steps", "100", *TINY])
-    calls = iter(range(10 ** 6))
-
-    def flaky(*a, **k):  # three bad micro-batches at the start: skipped, counted, then training goes on
-        return ce(*a, **k) * (float("nan") if next(calls) < 3 else 1.0)
-    monkeypatch.setattr(cram.F, "cross_entropy", flaky)
-    cram.main(["--data", data, "--out", str(tmp_path / "b"), "--steps", "10", *TINY])
-    assert records(str(tmp_path / "b"))[-2]["skipped"] == 3 and cram.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"))["skipped"] == 3
 
 
 def test_clear_errors(tmp_path, data):
@@ -709,10 +653,7 @@ def test_clear_errors(tmp_path, data):
     with pytest.raises(SystemExit, match="ckpt.pt: not a cram checkpoint"):
         cram.main(["--data", data, "--out", str(tmp_path), "--resume", *TINY])
     cram.main(["--data", data, "--out", str(tmp_path / "a"), "--steps", "1", *TINY])
-    other, out = prep(str(tmp_path), make_docs(200), name="other")
-    meta = json.load(open(os.path.join(out, "meta.json")))
-    meta["seq_len"] = 16
-    json.dump(meta, open(os.path.join(out, "meta.json"), "w"))
+    other, out = prep(str(tmp_path), make_docs(200, seed=5)[:150], name="other")  # a tokenizer of its own
     with pytest.raises(SystemExit, match="another tokenizer or row length than"):
         cram.main(["--data", out, "--out", str(tmp_path / "a"), "--resume", *TINY])
 
@@ -737,28 +678,6 @@ def test_compiled_training_step_matches_eager_on_cpu(tmp_path):
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_ddp_accumulates_on_a_shared_clock_and_resumes(tmp_path, data):
-    """The paper's settings under torchrun: accumulation (batch 64 = 4 x 8 x 2), a time budget
-    read from one clock, SIGTERM, --resume; the replicas agree at the end."""
-    out = str(tmp_path / "ddp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(HERE, "cram.py"), "--data", data, "--out", out, "--time", "12", *TINY,
-           "--batch-size", "64"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    while not os.path.exists(os.path.join(out, "log.jsonl")) or max(
-            (r.get("batch", 0) for r in records(out)), default=0) < 32:  # accumulating
-        assert p.poll() is None, p.stdout.read()
-        time.sleep(0.1)
-    p.send_signal(signal.SIGTERM)
-    p.wait(120)
-    step = cram.load_checkpoint(os.path.join(out, "ckpt.pt"))["step"]
-    r = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    log = records(out)
-    assert any(rec.get("ranks_agree") is True and rec["world"] == 2 for rec in log)
-    assert cram.load_checkpoint(os.path.join(out, "ckpt.pt"))["step"] > step and "val_loss" in log[-1]
-
-
 def test_out_folder_holds_a_run(tmp_path, data):
     out = str(tmp_path / "run")
     cram.main(["--data", data, "--out", out, "--steps", "2", *TINY])
@@ -766,24 +685,23 @@ def test_out_folder_holds_a_run(tmp_path, data):
     with pytest.raises(SystemExit, match="holds a run .*ckpt.pt.*--resume"):
         cram.main(["--data", data, "--out", out, "--steps", "2", *TINY])
     assert open(os.path.join(out, "ckpt.pt"), "rb").read() == before
-    with open(os.path.join(out, "lock"), "w") as lock:  # as a second cram.py would find it
-        import fcntl
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(SystemExit, match="another cram.py is writing into it"):
-            cram.main(["--data", data, "--out", out, "--resume", *TINY])
     (tmp_path / "file").write_text("")
-    with pytest.raises(SystemExit, match="--out .*file: cannot write there"):
+    with pytest.raises(SystemExit, match="^error: .*file: File exists$"):
         cram.main(["--data", data, "--out", str(tmp_path / "file"), *TINY])
 
 
-@pytest.mark.parametrize("flag,value", [("--time", "0"), ("--time", "-5"), ("--time", "inf"),
-                                        ("--steps", "0"), ("--micro-batch", "0"), ("--lr", "nan"),
-                                        ("--layers", "-1"), ("--log-every", "-1"),
-                                        ("--eval-rows", "0"), ("--batch-size", "4")])
-def test_cram_out_of_range_flags(flag, value, data, tmp_path):
-    with pytest.raises(SystemExit, match=f"error: {flag} {value}"):
-        cram.main(["--data", data, "--out", str(tmp_path), *TINY, flag, value])
+@pytest.mark.parametrize("flags,msg", [
+    (["--width", "65"], "--width must divide by --heads"), (["--ffn", "129"], "--ffn be even"),
+    (["--batch-size", "4"], "--batch-size >= --micro-batch"),
+    (["--eval", "--fill", "a [MASK]"], "argument --fill: not allowed with argument --eval"),
+    (["--steps", "x"], "argument --steps: invalid int value")])
+def test_flags_that_cannot_work_are_refused(flags, msg, data, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cram.main(["--data", data, "--out", str(tmp_path), *TINY, *flags])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "log.jsonl")
+    with pytest.raises(SystemExit, match="^error: --device nonsense: "):
+        cram.main(["--data", data, "--out", str(tmp_path), *TINY, "--device", "nonsense"])
 
 
 def test_damaged_data_is_named_at_start(tmp_path, data):
@@ -791,13 +709,12 @@ def test_damaged_data_is_named_at_start(tmp_path, data):
     bad.mkdir()
     for f in os.listdir(data):
         (bad / f).write_bytes(open(os.path.join(data, f), "rb").read())
-    meta = json.load(open(bad / "meta.json"))
-    with open(bad / meta["val"]["file"], "r+b") as f:
-        f.truncate(100)
-    with pytest.raises(SystemExit, match="val-.*.bin: 100 bytes, but meta.json says .*damaged"):
+    with open(bad / "val.bin", "r+b") as f:
+        f.truncate(64)
+    with pytest.raises(SystemExit, match="val.bin: missing or damaged .*1 rows, meta.json says"):
         cram.main(["--data", str(bad), "--out", str(tmp_path / "o"), *TINY])
-    os.remove(bad / meta["train"]["file"])
-    with pytest.raises(SystemExit, match="train-.*.bin: missing"):
+    os.remove(bad / "train.bin")
+    with pytest.raises(SystemExit, match="train.bin: missing or damaged"):
         cram.main(["--data", str(bad), "--out", str(tmp_path / "o"), *TINY])
 
 
@@ -812,7 +729,7 @@ def test_fill_masks_with_top_5(tmp_path, data, capsys):
     enc = prepare.load_tokenizer(prepare.read_prepared(data)[1])
     ids = cram.encode_masked("The Cat [MASK] on it", enc)
     assert ids == enc.encode_ordinary("the cat") + [349] + enc.encode_ordinary(" on it")
-    with pytest.raises(SystemExit, match="no \\[MASK\\] in it"):
+    with pytest.raises(SystemExit, match="no \\[MASK\\] in its first 32 tokens"):
         cram.main(["--out", str(tmp_path), "--fill", "no mask here"])
     with pytest.raises(SystemExit, match="no checkpoint here"):
         cram.main(["--out", str(tmp_path / "nothing"), "--fill", "a [MASK]"])
@@ -844,58 +761,22 @@ def test_training_never_writes_another_runs_checkpoint(tmp_path, data):
     old = str(tmp_path / "old")
     cram.main(["--data", data, "--out", old, "--steps", "1", *TINY])
     before = open(os.path.join(old, "ckpt.pt"), "rb").read()
-    with pytest.raises(SystemExit, match="--ckpt .*only for --eval and --fill"):
-        cram.main(["--data", data, "--out", str(tmp_path / "new"), "--ckpt", old + "/ckpt.pt", *TINY])
-    assert open(os.path.join(old, "ckpt.pt"), "rb").read() == before
-    os.makedirs(os.path.join(old, "ckpt.pt.tmp"))  # a folder cannot be written (not even by root)
-    with pytest.raises(SystemExit, match="old/ckpt.pt.tmp: Is a directory"):
-        cram.main(["--data", data, "--out", old, "--resume", *TINY])
-    assert len(records(old)) == 2  # refused at start-up: nothing trained, nothing logged
-
-
-@pytest.mark.parametrize("flags,msg", [
-    (["--eval", "--fill", "a [MASK]"], "argument --fill: not allowed with argument --eval"),
-    (["--device", "mps"], "--device mps: cram runs on cpu or cuda"),
-    (["--device", "meta"], "--device meta: cram runs on cpu or cuda"), (["--device", ""], "--device: empty"),
-    (["--seed", "-1"], "--seed -1: must be in"), (["--seed", str(2 ** 64)], "--seed 18446744073709551616: must"),
-    (["--alibi", "inf"], "--alibi inf: must be in"), (["--data", ""], "--data: empty"),
-    (["--width", "100000000000"], r"2 layers x 100000000000 .* need about .* GiB, more than"),
-    (["--layers", "100000000"], r"100000000 layers x 64 .* GiB, more than")])
-def test_nonsense_is_one_line(flags, msg, data, tmp_path):
-    with pytest.raises(SystemExit, match="^error: " + msg):
-        cram.main(["--data", data, "--out", str(tmp_path), *TINY, *flags])
-    assert not os.path.exists(tmp_path / "log.jsonl")
-
-
-def test_rows_too_long_to_fit_are_refused(tmp_path, data):
-    meta = json.load(open(os.path.join(data, "meta.json")))
-    c = cram.ModelConfig(meta["vocab_size"], 65536, 2, 128, 2, 512, alibi=1.0)
-    with pytest.raises(SystemExit, match=r"at 65536 tokens x 16 need about 512 GiB"):
-        cram.check_fits(c, 16, torch.device("cpu"))
+    cram.main(["--data", data, "--out", str(tmp_path / "new"), "--ckpt", old + "/ckpt.pt", "--steps", "2", *TINY])
+    assert open(os.path.join(old, "ckpt.pt"), "rb").read() == before  # training writes OUT/ckpt.pt only
+    assert cram.load_checkpoint(str(tmp_path / "new" / "ckpt.pt"))["step"] == 2
 
 
 def test_resume_says_the_run_keeps_its_settings(tmp_path, data, capsys):
     cram.main(["--data", data, "--out", str(tmp_path), "--steps", "2", *TINY])
     cram.main(["--data", data, "--out", str(tmp_path), "--resume", "--steps", "3", *TINY, "--width", "128"])
     out = capsys.readouterr().out
-    assert "the run keeps its own --layers 2, --width 64," in out and "--steps 2," in out
+    assert "with the run's own --layers 2, --width 64," in out and "--steps 2," in out
     assert cram.load_checkpoint(str(tmp_path / "ckpt.pt"))["step"] == 2
 
 
-def test_damaged_checkpoints_and_a_full_disk(tmp_path, data, monkeypatch):
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, data, monkeypatch):
     cram.main(["--data", data, "--out", str(tmp_path), "--steps", "1", *TINY])
     path = str(tmp_path / "ckpt.pt")
-    ckpt = torch.load(path)
-    ckpt["tokenizer"] = dict(ckpt["tokenizer"], ranks=ckpt["tokenizer"]["ranks"] + "YWJj 999\n")
-    torch.save(ckpt, tmp_path / "big.pt")
-    with pytest.raises(SystemExit, match="big.pt: damaged: its tokenizer has 351 tokens, its model 350"):
-        cram.main(["--out", str(tmp_path), "--fill", "a [MASK]", "--ckpt", str(tmp_path / "big.pt")])
-    ckpt = torch.load(path)
-    ckpt["model_config"]["width"] = 32  # the weights are of width 64
-    os.makedirs(tmp_path / "r")
-    torch.save(ckpt, tmp_path / "r" / "ckpt.pt")
-    with pytest.raises(SystemExit, match="r/ckpt.pt: weights do not fit its model_config"):
-        cram.main(["--data", data, "--out", str(tmp_path / "r"), "--resume", *TINY])
     before = open(path, "rb").read()
 
     def full(obj, f):  # what torch.save does when the disk is full
@@ -1006,7 +887,7 @@ def test_glue_bad_input_names_file_and_line(tmp_path):
             glue.read_tsv(path, task)
     with open(path, "wb") as f:  # Latin-1 on line 3
         f.write(b"index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\tcaf\xe9\tb\tentailment\n")
-    with pytest.raises(SystemExit, match="^error: " + path + r":3: not UTF-8 text \(invalid continuation byte at byte 6\)$"):
+    with pytest.raises(SystemExit, match="^error: " + path + r": not UTF-8 text \(invalid continuation byte at byte 55\)$"):
         glue.read_tsv(path, "RTE")
     for tasks in ["mnli-m", "sst2", "RTE,nope", ","]:  # the names as in GLUE in any case, no aliases
         with pytest.raises(SystemExit, match=f"^error: --tasks {tasks}: name one or more of CoLA,SST-2,"):
@@ -1140,6 +1021,7 @@ def fake_finetune(calls):
     """Stands in for fine-tuning: a score that says which call made it."""
     def finetune(ckpt, task, train, devs, args, trial, device):
         assert train[0].shape[1] == ckpt["model_config"]["seq_len"]  # rows cut to the checkpoint's length
+        assert len(train[0]) == (args.max_train_samples or len(train[0]))
         calls.append(task)
         return {split: {m: float(len(calls)) for m in glue.METRICS.get(task, ["accuracy"])} for split in devs}
     return finetune
@@ -1185,29 +1067,6 @@ def test_glue_json_merges_runs(glue_run):
         assert (tmp / "glue.json").read_text() == bad and len(calls) == 4
 
 
-def test_glue_runs_at_once_keep_both_tasks(glue_run, monkeypatch):
-    import fcntl
-    run, calls, tmp = glue_run
-    fake = glue.finetune
-
-    def finetune(ckpt, task, *rest):  # while this run fine-tunes WNLI, a second run saves RTE
-        if task == "WNLI":
-            run("--tasks", "RTE")
-        return fake(ckpt, task, *rest)
-    monkeypatch.setattr(glue, "finetune", finetune)
-    run("--tasks", "WNLI")  # started (and read glue.json) before the other run saved
-    assert accuracies(tmp / "glue.json") == {"RTE": 1.0, "WNLI": 2.0}
-    with open(tmp / "glue.json.lock", "w") as lock:  # a save waits while another one holds the lock
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        other = threading.Thread(target=run, args=("--tasks", "RTE", "--seed", "7"))
-        other.start()
-        other.join(0.5)
-        assert other.is_alive()
-    other.join()
-    saved = json.load(open(tmp / "glue.json"))
-    assert saved["results"]["RTE"]["settings"]["seed"] == 7 and saved["results"]["WNLI"]["accuracy"] == 2.0
-
-
 def test_glue_ctrl_c_exits_130_and_keeps_glue_json(glue_run, monkeypatch, capsys):
     run, calls, tmp = glue_run
     run("--tasks", "WNLI")
@@ -1237,43 +1096,18 @@ def test_glue_checks_every_file_before_fine_tuning(glue_run, capsys):
     assert calls == []
 
 
-def test_glue_unwritable_output_fails_up_front(glue_run, tmp_path):
+def test_glue_flags(glue_run, capsys):
     run, calls, tmp = glue_run
-    (tmp / "glue.json.lock").mkdir()  # a lock that cannot be opened: fails even as root
-    with pytest.raises(SystemExit, match=r"^error: \S*/glue.json.lock: Is a directory$"):
-        run("--tasks", "RTE")
-    ro = tmp / "read-only"
-    ro.mkdir()
-    shutil.copy(tmp / "ckpt.pt", ro / "ckpt.pt")
-    ro.chmod(0o555)
-    try:
-        if not os.access(ro, os.W_OK):  # root writes anyway: then the case above is the check
-            with pytest.raises(SystemExit, match=r"^error: \S*read-only/glue.json.lock: Permission denied$"):
-                run("--tasks", "RTE", "--ckpt", str(ro / "ckpt.pt"))  # the last --ckpt counts
-    finally:
-        ro.chmod(0o755)
-    assert calls == []
-
-
-def test_glue_flags_out_of_range(glue_run):
-    run, calls, _ = glue_run
-    for flags, msg in [(["--epochs", "0"], "--epochs 0: must be in 1..inf"),
-                       (["--lr", "0"], "--lr 0.0: must be in 1e-09..1"),
-                       (["--lr", "nan"], "--lr nan: must be in"), (["--lr", "2"], "--lr 2.0: must be in"),
-                       (["--batch-size", "-1"], "--batch-size -1: must be in 1..inf"),
-                       (["--trials", "0"], "--trials 0: must be in 1..inf"),
-                       (["--seed", "-1"], r"--seed -1: must be in 0\.\."),
-                       (["--seed", str(2 ** 64)], f"--seed {2 ** 64}: must be in 0\\.\\."),
-                       (["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),
-                       (["--device", ""], "--device: empty$"), (["--glue-dir", ""], "--glue-dir: empty$"),
-                       (["--max-len", "64"], "unrecognized arguments: --max-len 64$"),
-                       (["--device", "nope"], "--device nope: .*device string: nope$")]:
-        with pytest.raises(SystemExit, match="^error: " + msg):
+    for flags, msg in [(["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),
+                       (["--max-len", "64"], "unrecognized arguments: --max-len 64")]:
+        with pytest.raises(SystemExit):
             run("--tasks", "RTE", *flags)
+        assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="^error: --device nope: .*device string: nope$"):
+        run("--tasks", "RTE", "--device", "nope")
     assert calls == []
-    r = subprocess.run([sys.executable, os.path.join(HERE, "glue.py"), "--ckpt", "x.pt", "--epochs", "0"],
-                       capture_output=True, text=True)
-    assert r.returncode == 1 and r.stderr == "error: --epochs 0: must be in 1..inf\n"  # one line, no traceback
+    run("--tasks", "RTE,WNLI", "--max-train-samples", "1")  # the first example of each task
+    assert calls == ["RTE", "WNLI"] and json.load(open(tmp / "glue.json"))["results"]["RTE"]["settings"]["max_train_samples"] == 1
 
 
 def test_glue_head_help_and_truncation_example(capsys):
@@ -1299,16 +1133,8 @@ def test_glue_head_help_and_truncation_example(capsys):
     assert [glue.learning_rate(s, 20, 1.0) for s in (0, 1, 2)] == [0.0, 0.5, 1.0] and glue.learning_rate(11, 20, 1.0) == pytest.approx(0.5)
 
 
-def test_a_gpu_the_machine_lacks_is_one_line():
-    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU, on any machine
-    with pytest.raises(SystemExit, match=f"--device {missing}: this machine has"):
-        cram.main(["--device", missing, "--fill", "a [MASK]"])
-    with pytest.raises(SystemExit, match="--device nonsense: "):
-        cram.pick_device("nonsense")
-
-
 def test_prepare_unwritable_out_is_one_line(tmp_path):
     src = write_jsonl(str(tmp_path / "a.jsonl"), make_docs(20))
     (tmp_path / "afile").write_text("")
-    with pytest.raises(SystemExit, match="--out .*afile: cannot write there"):
+    with pytest.raises(SystemExit, match="^error: .*afile: File exists$"):
         prepare.main(["--input", src, "--out", str(tmp_path / "afile")])
