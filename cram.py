@@ -48,7 +48,7 @@ PRESETS = {
 }
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
 BENCH_STEPS = 20        # timed steps of --bench, after 3 warm-up steps (compilation, caches)
-PEAK_TFLOPS = 989       # H100 SXM, dense bf16: MFU's denominator (--peak-tflops for other GPUs)
+PEAK_FLOPS = 989e12     # H100 SXM, dense bf16: MFU's denominator (A100: 312e12)
 SAVE_TIMEOUT = 3600     # seconds DDP ranks wait for rank 0 to save or evaluate (NCCL's: 600)
 RUN = ["layers", "width", "heads", "ffn", "alibi", "time", "steps", "micro_batch", "batch_size",
        "lr", "seed"]    # what a run is: --resume takes them from the checkpoint
@@ -185,12 +185,14 @@ def flops_per_token(c):
 
 
 # ----------------------------------------------------------------------------- the objective
-def mask_rows(rows, special_ids, mask_id, n_ordinary, gen):
+def mask_rows(rows, specials, gen):
     """Masked LM with static shapes: exactly round(0.25 x T) positions per row, never a special
-    token. Of those, 80% become [MASK], 10% a random token, 10% stay. For T=8 and [SEP]=9:
-    rows=[[5, 6, 7, 9, 1, 2, 3, 4]] -> positions=[[1, 6]], labels=[[6, 3]],
-    inputs=[[5, M, 7, 9, 1, 2, M, 4]]. Returns inputs, positions, labels (-100: ignore)."""
+    token (`specials`: their ids, the last of the vocabulary). Of those, 80% become [MASK], 10% a
+    random token, 10% stay. For T=8 and [SEP]=9: rows=[[5, 6, 7, 9, 1, 2, 3, 4]] ->
+    positions=[[1, 6]], labels=[[6, 3]], inputs=[[5, M, 7, 9, 1, 2, M, 4]].
+    Returns inputs, positions, labels (-100: ignore)."""
     B, T = rows.shape
+    special_ids, n_ordinary = torch.tensor(sorted(specials.values())), min(specials.values())
     special = torch.isin(rows, special_ids)
     noise = torch.rand(B, T, generator=gen).masked_fill(special, 2.0)  # specials sort last
     positions = noise.topk(round(MASK_RATE * T), dim=1, largest=False).indices  # (B, masked)
@@ -198,28 +200,19 @@ def mask_rows(rows, special_ids, mask_id, n_ordinary, gen):
     r = torch.rand(positions.shape, generator=gen)
     random_ids = torch.randint(0, n_ordinary, positions.shape, generator=gen)
     new = torch.where(r < MASK_AS_MASK + MASK_AS_RANDOM, random_ids, labels)
-    new = torch.where(r < MASK_AS_MASK, mask_id, new)
+    new = torch.where(r < MASK_AS_MASK, specials["[MASK]"], new)
     hit = torch.isin(labels, special_ids)  # only in rows with fewer ordinary tokens than masks
     inputs = rows.scatter(1, positions, torch.where(hit, labels, new))
     return inputs, positions, labels.masked_fill(hit, -100)
 
 
-class Masker:
-    """Masks on the CPU as a pure function of a seed, then onto the device: pinned memory lets
-    the copy overlap the GPU's work on the previous micro-batch."""
-
-    def __init__(self, specials, device):
-        self.specials = torch.tensor(sorted(specials.values()))
-        self.mask_id = specials["[MASK]"]
-        self.n_ordinary = min(specials.values())  # the special tokens come last
-        self.gen, self.device = torch.Generator(), device
-
-    def __call__(self, rows, seed):
-        self.gen.manual_seed(seed & (2 ** 63 - 1))
-        out = mask_rows(rows, self.specials, self.mask_id, self.n_ordinary, self.gen)
-        if self.device.type == "cuda":
-            out = [t.pin_memory().to(self.device, non_blocking=True) for t in out]
-        return dict(zip(("idx", "positions", "labels"), out))
+def masked(rows, specials, seed, device):
+    """The model's inputs: rows masked on the CPU as a pure function of a seed, then moved to the
+    device; pinned memory lets the copy overlap the GPU's work on the previous micro-batch."""
+    out = mask_rows(rows, specials, torch.Generator().manual_seed(seed & (2 ** 63 - 1)))
+    if device.type == "cuda":
+        out = [t.pin_memory().to(device, non_blocking=True) for t in out]
+    return dict(zip(("idx", "positions", "labels"), out))
 
 
 # ----------------------------------------------------------------------------- the budget
@@ -257,7 +250,7 @@ class Batches:
 
 
 @torch.no_grad()
-def evaluate(model, sources, n_rows, masker, micro, device):
+def evaluate(model, sources, n_rows, specials, micro, device):
     """Masked-LM loss and top-1 accuracy on the masked tokens of the first n_rows rows of the
     sources, with fixed masks so that evaluations compare; reads only the rows it needs."""
     model.eval()
@@ -266,7 +259,8 @@ def evaluate(model, sources, n_rows, masker, micro, device):
     for rows in sources:
         rows = rows[: n_rows - done]
         for i in range(0, len(rows), micro):
-            b = masker(torch.from_numpy(rows[i:i + micro].astype(np.int64)), EVAL_SEED + done + i)
+            b = masked(torch.from_numpy(rows[i:i + micro].astype(np.int64)), specials,
+                       EVAL_SEED + done + i, device)
             with autocast(device):
                 logits = model.decode(model(b["idx"]), b["positions"]).float()  # (B, masked, V)
             keep = b["labels"] != -100
@@ -305,9 +299,9 @@ def build(c, args, device, world=1):
     return model, raw, opt
 
 
-def mfu(tok_s, c, world, args):
+def mfu(tok_s, c, world):
     """Model FLOPs utilisation: the share of one GPU's dense bf16 peak the training uses."""
-    return flops_per_token(c) * tok_s / world / (args.peak_tflops * 1e12)
+    return flops_per_token(c) * tok_s / world / PEAK_FLOPS
 
 
 class Trainer:
@@ -319,10 +313,8 @@ class Trainer:
         meta, self.tok, rows = read_prepared(args.data)
         self.path = os.path.join(args.out, "ckpt.pt")
         ckpt = load_checkpoint(self.path, meta, self.tok) if args.resume else None
-        found = [f for f in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(args.out, f))]
-        if found and not args.resume:
-            die(f"--out {args.out} holds a run ({found[0]}): continue it with --resume, or use "
-                f"another --out")
+        if not args.resume and os.path.exists(os.path.join(args.out, "log.jsonl")):
+            die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
         if ckpt:  # the schedule depends on these: the run's own settings win
             vars(args).update({k: ckpt["args"][k] for k in RUN})
         self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
@@ -336,16 +328,14 @@ class Trainer:
             self.step, self.seqs, self.elapsed = ckpt["step"], ckpt["seqs"], ckpt["elapsed"]
             data_pos = ckpt["data"]
         self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *data_pos)
-        self.val, self.masker = rows["val"], Masker(self.tok["special_tokens"], device)
+        self.val, self.specials = rows["val"], self.tok["special_tokens"]
         if rank == 0:
             os.makedirs(args.out, exist_ok=True)
             self.logf = open(os.path.join(args.out, "log.jsonl"), "a")
         n = sum(p.numel() for p in self.raw.parameters())
         self.log(f"crammed BERT: {self.c.layers} layers x {self.c.width}, {n / 1e6:.1f} M "
-                 f"parameters, {flops_per_token(self.c) / 1e9:.3f} GFLOP/token")
-        if ckpt:
-            self.log(f"resumed {self.path} at step {self.step} with the run's own " +
-                     ", ".join(f"--{k.replace('_', '-')} {args.__dict__[k]}" for k in RUN))
+                 f"parameters, {flops_per_token(self.c) / 1e9:.3f} GFLOP/token" +
+                 (f"; resumed at step {self.step} with the run's own {ckpt['args']}" if ckpt else ""))
 
     def log(self, line, **record):
         if self.rank == 0:
@@ -374,7 +364,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i in range(accum):
             # masks are a pure function of (seed, rank, step, micro-batch): resumable
-            batch = self.masker(next(self.data), hash((a.seed, self.rank, self.step, i)))
+            batch = masked(next(self.data), self.specials, hash((a.seed, self.rank, self.step, i)),
+                           self.device)
             if self.world > 1:  # DDP: all-reduce the gradients once, after the last micro-batch
                 self.model.require_backward_grad_sync = i == accum - 1
             with autocast(self.device):
@@ -401,7 +392,7 @@ class Trainer:
         left = (a.steps - self.step) * elapsed / self.step if a.steps else a.time - elapsed
         r = dict(step=self.step, seqs=self.seqs, tokens=self.seqs * self.c.seq_len, loss=loss,
                  lr=schedule(x, a.lr), batch=batch, tok_s=round(tok_s),
-                 mfu=mfu(tok_s, self.c, self.world, a), elapsed=round(elapsed, 1))
+                 mfu=mfu(tok_s, self.c, self.world), elapsed=round(elapsed, 1))
         self.log(f"step {self.step} | {r['tokens'] / 1e6:,.1f}M tok | loss {loss:.4f} | lr "
                  f"{r['lr']:.2e} | batch {batch} | {tok_s:,.0f} tok/s | mfu {r['mfu']:.1%} | "
                  f"{elapsed:,.0f}s elapsed, {left:,.0f}s left", **r)
@@ -409,7 +400,7 @@ class Trainer:
 
     def validate(self, what="", **record):
         """Held-out masked-LM loss and accuracy on val.bin, logged."""
-        loss, acc = evaluate(self.raw, [self.val], self.args.eval_rows, self.masker,
+        loss, acc = evaluate(self.raw, [self.val], self.args.eval_rows, self.specials,
                              self.args.micro_batch, self.device)
         self.log(f"step {self.step} | {what}val loss {loss:.4f}, accuracy {100 * acc:.1f}%",
                  step=self.step, elapsed=round(self.elapsed, 1), **record, val_loss=loss,
@@ -466,19 +457,20 @@ def bench(args, device):
     """--bench: training steps on random tokens at the chosen size: tokens/s and MFU."""
     c = ModelConfig(layers=args.layers, width=args.width, heads=args.heads, ffn=args.ffn)
     model, raw, opt = build(c, args, device)
-    masker = Masker({s: c.vocab_size - 4 + i for i, s in enumerate(SPECIALS)}, device)
+    specials = {s: c.vocab_size - 4 + i for i, s in enumerate(SPECIALS)}
     for i in range(3 + BENCH_STEPS):
         if i == 3:
             t0 = time.time()
         with autocast(device):
-            loss = model(**masker(torch.randint(0, c.vocab_size - 4, (args.micro_batch, 128)), i))
+            loss = model(**masked(torch.randint(0, c.vocab_size - 4, (args.micro_batch, 128)),
+                                  specials, i, device))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         print(f"bench step {i}: loss {loss.item():.3f}", flush=True)  # .item() waits for the GPU
     tok_s = args.micro_batch * c.seq_len * BENCH_STEPS / (time.time() - t0)
     print(f"bench: {device} micro-batch {args.micro_batch} compile={model is not raw} "
-          f"tokens/s={tok_s:.0f} mfu={mfu(tok_s, c, 1, args):.1%}", flush=True)
+          f"tokens/s={tok_s:.0f} mfu={mfu(tok_s, c, 1):.1%}", flush=True)
     return tok_s
 
 
@@ -488,8 +480,8 @@ def eval_ckpt(args, device):
     ckpt = load_checkpoint(args.ckpt, meta, tok)
     model = load_model(ckpt).to(device)
     n = min(args.eval_rows, len(rows["train"]) + len(rows["val"]))
-    loss, acc = evaluate(model, [rows["train"], rows["val"]], n,
-                         Masker(tok["special_tokens"], device), args.micro_batch, device)
+    loss, acc = evaluate(model, [rows["train"], rows["val"]], n, tok["special_tokens"],
+                         args.micro_batch, device)
     print(f"held-out loss of {args.ckpt} (step {ckpt['step']}) on {n:,} rows of {args.data}: "
           f"{loss:.4f}; it guesses {100 * acc:.1f}% of the masked tokens", flush=True)
     return loss
@@ -553,6 +545,7 @@ def load_model(ckpt, **overrides):
 
 
 def save_checkpoint(path, ckpt):
+    """Atomic (see prepare.atomic): a crash or a full disk leaves the previous checkpoint."""
     try:
         with atomic(path) as f:
             torch.save(ckpt, f)
@@ -574,7 +567,6 @@ def get_args(argv=None):
         help="crammed: the paper's model and batch; tiny: the CPU demo")
     for k in ("layers", "width", "heads", "ffn"):
         arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
-    arg("--alibi", type=float, help="distance penalty on attention (tiny: 1; the paper: 0)")
     arg("--micro-batch", type=int, help=f"sequences per forward pass ({MICRO_BATCH})")
     arg("--batch-size", type=int, help=f"sequences per step at the end of the ramp ({BATCH_SIZE})")
     arg("--lr", type=float, help=f"peak learning rate ({LR})")
@@ -586,7 +578,6 @@ def get_args(argv=None):
     arg("--eval-rows", type=int, default=2048, help="held-out rows for the loss and accuracy")
     arg("--save-every", type=float, default=1800, help="seconds between checkpoints")
     arg("--resume", action="store_true", help="continue OUT/ckpt.pt exactly where it stopped")
-    arg("--peak-tflops", type=float, default=PEAK_TFLOPS, help="GPU peak for MFU (%(default)s)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--eval", action="store_true", help="only score --ckpt on DATA's rows "
                       "(e.g. held-out text prepared with --tokenizer)")
@@ -595,7 +586,7 @@ def get_args(argv=None):
     arg("--ckpt", help="checkpoint for --eval and --fill (default: OUT/ckpt.pt)")
     args = ap.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
-        if getattr(args, k) is None:
+        if getattr(args, k, None) is None:
             setattr(args, k, v)
     if args.width % args.heads or args.ffn % 2 or args.batch_size < args.micro_batch:
         ap.error("--width must divide by --heads, --ffn be even, --batch-size >= --micro-batch")

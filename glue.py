@@ -1,6 +1,4 @@
 """glue.py: fine-tune a crammed checkpoint on GLUE with the paper's "sane" recipe, print its table.
-Missing GLUE files are downloaded; all are read before any fine-tuning. Results merge into
-glue.json next to the checkpoint: a rerun replaces only its own tasks.
 
     python glue.py --ckpt out/ckpt.pt                       # the eight tasks of the paper
     python glue.py --ckpt out/ckpt.pt --tasks RTE,MRPC --trials 5
@@ -13,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from prepare import Progress, atomic, die, download, entry, load_tokenizer, normalize
-from cram import Crammed, load_checkpoint, load_model, pick_device
+from cram import Crammed, autocast, load_checkpoint, load_model, pick_device
 
 # ----------------------------------------------------------------------------- the "sane" recipe
 LR = 4e-5            # peak AdamW learning rate
@@ -67,15 +65,13 @@ def read_tsv(path, task):
             header = fields
         elif fields != [""]:  # not a blank line
             row = dict(zip(header, fields))
-            try:  # a short row, or the file of another task, lacks a column
-                y = row[col_y]
+            y = row.get(col_y)  # None in a short row, or in the file of another task
+            try:
                 rows.append((row[col_a], row[col_b] if col_b else None,
                              float(y) if labels is None else labels.index(y)))
-            except KeyError as e:
-                die(f"{path}:{n}: no {e.args[0]!r} column here (is this GLUE {task}?)")
-            except ValueError:
+            except (KeyError, TypeError, ValueError):
                 wanted = "a number" if labels is None else "one of " + ", ".join(labels)
-                die(f"{path}:{n}: unknown label {y!r}, expected {wanted}")
+                die(f"{path}:{n}: label {y!r} (column {col_y!r}) is not {wanted}; is this {task}?")
     return rows
 
 
@@ -141,8 +137,6 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     if args.random_init:  # the same model from random weights: the "no pretraining" row
         encoder = Crammed(encoder.config)
     model = Classifier(encoder, 1 if labels is None else len(labels), pad).to(device)
-    # bf16 needs no loss scaling; on the CPU autocast is off and everything stays fp32
-    amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS,
                             weight_decay=WEIGHT_DECAY, fused=True)  # 5x faster on CPUs too
     ids, ys = train
@@ -152,7 +146,7 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     for step, batch in enumerate(order.split(args.batch_size)):
         opt.param_groups[0]["lr"] = learning_rate(step, steps, args.lr)
         y = ys[batch].to(device)
-        with torch.autocast(**amp):
+        with autocast(device):
             out = model(ids[batch].to(device))
         loss = F.mse_loss(out[:, 0], y) if labels is None else F.cross_entropy(out, y)
         opt.zero_grad()
@@ -163,7 +157,7 @@ def finetune(ckpt, task, train, devs, args, trial, device):
             progress(done, f" | loss {loss.item():.4f}", True)
     model.eval()
     results = {}
-    with torch.no_grad(), torch.autocast(**amp):
+    with torch.no_grad(), autocast(device):
         for split, (ids, ys) in devs.items():
             out = torch.cat([model(x.to(device)).cpu() for x in ids.split(128)])
             pred = out[:, 0] if labels is None else out.argmax(-1)
@@ -252,11 +246,9 @@ def read_task(task, glue_dir):
 
 def save(path, mine):
     """glue.json with this run's dev splits merged in: a rerun of a task replaces that task."""
-    data = {"results": {}}
     try:
-        if os.path.exists(path):
-            data = json.loads(pathlib.Path(path).read_text())
-        data["results"].update(mine)
+        data = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else {}
+        data.setdefault("results", {}).update(mine)
         data["average"] = glue_score(data["results"])[0]
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         die(f"{path}: not a glue.py results file ({type(e).__name__}); move it aside")

@@ -28,7 +28,6 @@ SHARDS = 33         # C4 shards (~0.17 B tokens each) for the paper's 5.5 B toke
 C4_URL = ("https://huggingface.co/datasets/allenai/c4/resolve/main/en/"
           "c4-train.{i:05d}-of-01024.json.gz")
 JOB_BYTES = 1 << 20  # text per worker job: big enough to hide the hand-over, small enough for RAM
-TRASH_WARN = 0.05   # dropping more than 5% of the text means the filter is hitting normal text
 RETRIES, BACKOFF = 5, 2.0  # download attempts and the first wait (s), doubling: ~30 s of trouble
 
 
@@ -55,8 +54,7 @@ def jobs(files):
     a job never spans two files, so jobs are the same for any number of workers."""
     for path in files:
         is_json, para, job, size = ".json" in os.path.basename(path), [], [], 0
-        with open(path, "rb") as raw:
-            f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
             try:
                 for line in itertools.chain(f, [b""]):  # b"": ends the last paragraph
                     line = line.strip()
@@ -209,8 +207,7 @@ class Packer:
         self.f.write(flat[:n].tobytes())
         self.rest = flat[n:]
 
-    def close(self):
-        """On the disk before meta.json names it; -> the number of rows."""
+    def close(self):  # -> the number of rows, on the disk before meta.json names them
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
@@ -279,8 +276,7 @@ def die(msg):
 
 
 def entry(main):
-    """Each script's one handler: Ctrl-C exits with 130, an OS error (a full disk, an unreadable
-    file) is one line naming the file."""
+    """Each script's one handler: Ctrl-C exits with 130, an OS error is one line naming the file."""
     @functools.wraps(main)
     def guarded(argv=None):
         try:
@@ -294,24 +290,20 @@ def entry(main):
 
 
 class Progress:
-    """The progress line of every long step, at most every `every` seconds, on stderr:
+    """The progress line of every long step, at most every 2 seconds, on stderr:
     Progress("encode", 105, "MB")(52.5) -> 'encode: 52.5/105.0 MB, 2.6 MB/s, ETA 0:20'."""
 
-    def __init__(self, what, total=0, unit="", every=2.0):
-        self.what, self.total, self.unit, self.every = what, total, unit, every
+    def __init__(self, what, total=0, unit=""):
+        self.what, self.total, self.unit, self.every = what, total, unit, 2.0
         self.t0 = self.last = time.time()
 
     def __call__(self, done, extra="", force=False):
-        now = time.time()
-        if not force and now - self.last < self.every:
-            return
-        self.last, rate = now, done / max(now - self.t0, 1e-9)
-        line = f"{self.what}: {done:,.1f}" + (f"/{self.total:,.1f}" if self.total else "")
-        line += f" {self.unit}, {rate:,.1f} {self.unit}/s"
-        if self.total:
-            left = int((self.total - done) / rate) if rate > 0 else 0
-            line += f", ETA {left // 60}:{left % 60:02d}"
-        print(line + extra, file=sys.stderr, flush=True)
+        if force or time.time() - self.last >= self.every:
+            self.last, rate = time.time(), done / max(time.time() - self.t0, 1e-9)
+            left = int((self.total - done) / max(rate, 1e-9))
+            eta = f"/{self.total:,.1f} {self.unit}, ETA {left // 60}:{left % 60:02d}"
+            print(f"{self.what}: {done:,.1f}{eta if self.total else ' ' + self.unit}, {rate:,.1f} "
+                  f"{self.unit}/s{extra}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -336,7 +328,8 @@ def read_prepared(folder):
         path = os.path.join(folder, "tokenizer.tiktoken")
         tok = {"ranks": pathlib.Path(path).read_text(), "pattern": meta["pattern"],
                "special_tokens": meta["special_tokens"]}
-        if load_tokenizer(tok).n_vocab != meta["vocab_size"]:
+        load_tokenizer(tok)  # it must parse, and hold all the tokens of meta.json
+        if len(tok["ranks"].splitlines()) + len(SPECIALS) != meta["vocab_size"]:
             raise ValueError(f"not the {meta['vocab_size']} tokens of meta.json")
         rows = {}
         for split in ("train", "val"):
@@ -429,11 +422,8 @@ def main(argv=None):
         stop.set()  # a download in flight gives up at its next block
         fetcher.shutdown(cancel_futures=True)
         pool.terminate()
-    print(f"{args.out}: {meta['tokens']:,} tokens, {json.dumps(meta['filters'])}")
-    dropped, chars = meta["filters"]["trash_chars"], meta["characters"]
-    if dropped > TRASH_WARN * (chars + dropped):
-        print(f"WARNING: the trash filter dropped {dropped:,} of {chars + dropped:,} characters; "
-              f"if that is normal text, raise --trash (now {args.trash:g})", file=sys.stderr)
+    print(f"{args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens; dropped: "
+          f"{json.dumps(meta['filters'])} (much trash in normal text? raise --trash)")
     return meta
 
 

@@ -220,7 +220,7 @@ def test_trash_filter(tmp_path, capsys):
     docs = make_docs(100) + ["".join(map(chr, np.random.default_rng(1).integers(0x4e00, 0x9fff, 3000)))]
     meta, out = prep(str(tmp_path), docs, "--trash", "0.8")
     assert meta["filters"]["trash"] == 1 and meta["filters"]["trash_chars"] == 3000
-    assert "WARNING: the trash filter dropped 3,000 of" in capsys.readouterr().err  # over 5% of the text
+    assert '"trash": 1, "trash_chars": 3000} (much trash in normal text? raise --trash)' in capsys.readouterr().out
     enc, texts = prepare.load_tokenizer(prepare.read_prepared(out)[1]), [prepare.normalize(d) for d in docs[:100]]
     ratios = sorted(len(enc.encode_ordinary(t)) / len(t) for t in texts)
     trash = (ratios[49] + ratios[50]) / 2  # the paper's rule: a document stays if tokens < trash x characters
@@ -459,13 +459,16 @@ def test_parameter_count_and_flops():
     assert abs(cram.flops_per_token(cram.ModelConfig()) / 1e9 - 0.62) < 0.01  # the paper's count
 
 
+SPECIALS_1000 = {"[PAD]": 996, "[CLS]": 997, "[SEP]": 998, "[MASK]": 999}
+
+
 def test_sparse_prediction_equals_dense_and_initial_loss():
     torch.manual_seed(0)
     c = cram.ModelConfig(vocab_size=1000, seq_len=32, layers=2, width=64, heads=4, ffn=256)
     model = cram.Crammed(c).eval()
     rows = torch.randint(0, 996, (6, 32))
     gen = torch.Generator().manual_seed(0)
-    inputs, pos, labels = cram.mask_rows(rows, torch.tensor([996, 997, 998, 999]), 999, 996, gen)
+    inputs, pos, labels = cram.mask_rows(rows, SPECIALS_1000, gen)
     sparse = model(inputs, positions=pos, labels=labels)
     logits = model(inputs) @ model.emb.weight.T  # decoder on every position, then pick the masked ones
     dense = torch.nn.functional.cross_entropy(logits[torch.arange(6)[:, None], pos].flatten(0, 1), labels.flatten())
@@ -478,7 +481,7 @@ def test_masking_counts_and_80_10_10():
     rows = torch.randint(0, 996, (400, 128))
     rows[:, ::10] = 998  # [SEP]s must never be masked
     gen = torch.Generator().manual_seed(1)
-    inputs, pos, labels = cram.mask_rows(rows, specials, 999, 996, gen)
+    inputs, pos, labels = cram.mask_rows(rows, SPECIALS_1000, gen)
     assert pos.shape == (400, 32) and all(len(set(p.tolist())) == 32 for p in pos)  # exactly round(0.25 x 128)
     assert (labels == rows.gather(1, pos)).all() and not torch.isin(labels, specials).any()
     got = inputs.gather(1, pos)
@@ -490,7 +493,7 @@ def test_masking_counts_and_80_10_10():
     # a row with fewer ordinary tokens than masks: specials are picked but ignored by the loss
     short = torch.full((1, 128), 998)
     short[0, :10] = 5
-    inputs, pos, labels = cram.mask_rows(short, specials, 999, 996, gen)
+    inputs, pos, labels = cram.mask_rows(short, SPECIALS_1000, gen)
     assert (labels != -100).sum() == 10 and (inputs[0, 10:] == 998).all()
 
 
@@ -666,11 +669,11 @@ def test_compiled_training_step_matches_eager_on_cpu(tmp_path):
     torch.manual_seed(0)
     c = cram.ModelConfig(vocab_size=512, seq_len=32, layers=2, width=64, heads=2, ffn=128)
     model = cram.Crammed(c)
-    masker = cram.Masker({"[PAD]": 508, "[CLS]": 509, "[SEP]": 510, "[MASK]": 511}, torch.device("cpu"))
+    specials = {"[PAD]": 508, "[CLS]": 509, "[SEP]": 510, "[MASK]": 511}
     compiled = torch.compile(model, fullgraph=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in range(2):  # a second batch must reuse the graph: static shapes
-            batch = masker(torch.randint(0, 508, (8, 32)), seed)
+            batch = cram.masked(torch.randint(0, 508, (8, 32)), specials, seed, torch.device("cpu"))
             with torch.autocast("cpu", torch.bfloat16):
                 eager, fast = model(**batch), compiled(**batch)
             fast.backward()
@@ -682,7 +685,7 @@ def test_out_folder_holds_a_run(tmp_path, data):
     out = str(tmp_path / "run")
     cram.main(["--data", data, "--out", out, "--steps", "2", *TINY])
     before = open(os.path.join(out, "ckpt.pt"), "rb").read()
-    with pytest.raises(SystemExit, match="holds a run .*ckpt.pt.*--resume"):
+    with pytest.raises(SystemExit, match="holds a run: continue it with --resume"):
         cram.main(["--data", data, "--out", out, "--steps", "2", *TINY])
     assert open(os.path.join(out, "ckpt.pt"), "rb").read() == before
     (tmp_path / "file").write_text("")
@@ -770,7 +773,7 @@ def test_resume_says_the_run_keeps_its_settings(tmp_path, data, capsys):
     cram.main(["--data", data, "--out", str(tmp_path), "--steps", "2", *TINY])
     cram.main(["--data", data, "--out", str(tmp_path), "--resume", "--steps", "3", *TINY, "--width", "128"])
     out = capsys.readouterr().out
-    assert "with the run's own --layers 2, --width 64," in out and "--steps 2," in out
+    assert "resumed at step 2 with the run's own" in out and "'width': 64," in out
     assert cram.load_checkpoint(str(tmp_path / "ckpt.pt"))["step"] == 2
 
 
@@ -877,10 +880,10 @@ def test_glue_parsers_read_every_task_format(tmp_path):
 def test_glue_bad_input_names_file_and_line(tmp_path):
     path = str(tmp_path / "train.tsv")
     cases = [("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tyes\n",
-              ":2: unknown label 'yes', expected one of entailment, not_entailment$"),
-             ("STS-B", FIXTURES["STS-B"]["train.tsv"].replace("3.800", "high"), ":3: unknown label 'high', expected a number$"),
-             ("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\ta\tb\n", ":3: no 'label' column here"),
-             ("QNLI", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n", ":2: no 'question' column here")]
+              ":2: label 'yes' \\(column 'label'\\) is not one of entailment, not_entailment; is this RTE\\?$"),
+             ("STS-B", FIXTURES["STS-B"]["train.tsv"].replace("3.800", "high"), ":3: label 'high' .* is not a number"),
+             ("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\ta\tb\n", ":3: label None \\(column 'label'\\)"),
+             ("QNLI", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n", ":2: label 'entailment' .*; is this QNLI\\?")]
     for task, text, msg in cases:
         write_files(tmp_path, {"train.tsv": text})
         with pytest.raises(SystemExit, match="^error: " + path + msg):
@@ -1060,7 +1063,7 @@ def test_glue_json_merges_runs(glue_run):
     assert saved["results"]["RTE"]["trials"] == [{"accuracy": 3.0}, {"accuracy": 4.0}]
     assert saved["results"]["WNLI"]["trials"] == [{"accuracy": 1.0}] and calls == ["WNLI", "RTE", "RTE", "RTE"]
     for bad in ['{"results": {"RTE": {"accuracy": 5', '[]', '{"results": {"RTE": 5}}', '{"results": {"RTE": {}}}',
-                '{"results": []}', '{}']:
+                '{"results": []}']:
         (tmp / "glue.json").write_text(bad)  # corrupt: a clear error before any fine-tuning, the file untouched
         with pytest.raises(SystemExit, match=r"^error: \S*glue.json: not a glue.py results file \(\w+\); move it aside$"):
             run("--tasks", "WNLI")
@@ -1086,7 +1089,7 @@ def test_glue_ctrl_c_exits_130_and_keeps_glue_json(glue_run, monkeypatch, capsys
 def test_glue_checks_every_file_before_fine_tuning(glue_run, capsys):
     run, calls, tmp = glue_run
     write_files(tmp / "glue" / "WNLI", {"dev.tsv": "index\tsentence1\tsentence2\tlabel\n0\ta\tb\t7\n"})
-    with pytest.raises(SystemExit, match=r"WNLI/dev.tsv:2: unknown label '7'"):
+    with pytest.raises(SystemExit, match=r"WNLI/dev.tsv:2: label '7'"):
         run("--tasks", "RTE,WNLI")
     assert calls == [] and not os.path.exists(tmp / "glue.json") and "trial" not in capsys.readouterr().err
     os.remove(tmp / "glue" / "RTE" / "dev.tsv")
