@@ -8,7 +8,7 @@ The folder gets train.bin and val.bin (uint16 token ids, rows of --seq-len), tok
 and, written last, meta.json: a folder without meta.json is not data.
 """
 import argparse, base64, contextlib, functools, gzip, hashlib, heapq, itertools, json
-import multiprocessing, os, pathlib, re, signal, sys, threading, time, unicodedata, zlib
+import mmap, multiprocessing, os, pathlib, re, signal, sys, threading, time, unicodedata, zlib
 from collections import Counter, defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -334,7 +334,11 @@ def read_prepared(folder):
         rows = {}
         for split in ("train", "val"):
             path = os.path.join(folder, f"{split}.bin")
-            rows[split] = np.memmap(path, np.uint16, "r").reshape(-1, meta["seq_len"])
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            # training reads random rows: no read-ahead, 6x faster from a cold disk (README)
+            mm.madvise(mmap.MADV_RANDOM)
+            rows[split] = np.frombuffer(mm, np.uint16).reshape(-1, meta["seq_len"])
             if len(rows[split]) != meta[split]["rows"]:
                 raise ValueError(f"{len(rows[split])} rows, meta.json says {meta[split]['rows']}")
     except (OSError, ValueError, KeyError, TypeError) as e:
