@@ -101,15 +101,10 @@ def encode_job(job, tok):
     if tok["file"] not in ENCODERS:
         ranks = pathlib.Path(tok["file"]).read_text()
         ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=ranks))
-    out = []
-    for text in texts(job):
-        if text:
-            ids = ENCODERS[tok["file"]].encode_ordinary(text)
-            out.append((hashlib.blake2b(text.encode(), digest_size=8).digest(), len(text),
-                        np.array(ids, np.uint16)))
-        else:
-            out.append(None)
-    return out
+    enc = ENCODERS[tok["file"]]
+    return [(hashlib.blake2b(text.encode(), digest_size=8).digest(), len(text),
+             np.array(enc.encode_ordinary(text), np.uint16)) if text else None
+            for text in texts(job)]
 
 
 def in_order(pool, fn, extra, files, workers):
@@ -195,34 +190,25 @@ def train_tokenizer(pool, files, args):
 
 
 # ----------------------------------------------------------------------------- packing
-class Packer:
-    """Token arrays into a .bin file in whole rows of seq_len; the last, partial row is dropped."""
-
-    def __init__(self, path, seq_len):
-        self.f, self.L, self.rest = open(path, "wb"), seq_len, np.zeros(0, np.uint16)
-
-    def add(self, parts):
-        flat = np.concatenate([self.rest, *parts])
-        n = len(flat) // self.L * self.L
-        self.f.write(flat[:n].tobytes())
-        self.rest = flat[n:]
-
-    def close(self):  # -> the number of rows, on the disk before meta.json names them
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        return os.path.getsize(self.f.name) // (2 * self.L)
+def close_rows(f, seq_len):
+    """Cut a file of token ids to whole rows of seq_len (the last, partial row is dropped) and
+    put it on the disk before meta.json names it; -> the number of rows."""
+    rows = f.tell() // (2 * seq_len)
+    f.truncate(rows * seq_len * 2)
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+    return rows
 
 
 def pack(pool, files, tok, args):
     """Documents in order, exact duplicates and trash dropped, joined by [SEP] into rows: every
     VAL_EVERY-th into val.bin (and the first ones, until val has a row), the rest to train.bin."""
     s, seen, sep = Counter(), set(), np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
-    train, val = (Packer(os.path.join(args.out, f"{split}.bin"), args.seq_len)
-                  for split in ("train", "val"))
+    train, val = (open(os.path.join(args.out, f"{split}.bin"), "wb") for split in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
     for docs in in_order(pool, encode_job, (tok,), files, args.workers):
-        to_train, to_val = [], []
+        to_train, to_val = [], []  # one write per job, of its documents each followed by [SEP]
         for doc in docs:
             if doc is None:
                 s["bad_lines"] += 1
@@ -239,10 +225,10 @@ def pack(pool, files, tok, args):
                 else:
                     to_train += [doc[2], sep]
                 s.update(documents=1, characters=doc[1], tokens=len(doc[2]))
-        train.add(to_train)
-        val.add(to_val)
+        train.write(b"".join(ids.tobytes() for ids in to_train))
+        val.write(b"".join(ids.tobytes() for ids in to_val))
         progress(s["characters"] / 1e6)
-    return train.close(), val.close(), s
+    return close_rows(train, args.seq_len), close_rows(val, args.seq_len), s
 
 
 def prepare(args, tok, pool, fetcher, stop):
