@@ -614,10 +614,6 @@ def setup(args):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def request_stop(signum, frame):
-    STOP.append(signum)
-
-
 @entry
 def main(argv=None):
     args = get_args(argv)
@@ -629,7 +625,8 @@ def main(argv=None):
     if args.eval:
         return eval_ckpt(args, device)
     STOP.clear()  # Ctrl-C and SIGTERM save and stop at the next step; then the caller's handlers
-    old = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, lambda signum, frame: STOP.append(signum))
+           for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return Trainer(args, rank, world, device).train()
     finally:

@@ -385,8 +385,8 @@ def get_args(argv):
     arg("--vocab-size", type=int, default=VOCAB_SIZE, help="tokens incl. 4 specials, ignored with "
         "--tokenizer (%(default)s)")
     arg("--seq-len", type=int, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
-    arg("--trash", type=float, default=TRASH, help="drop documents with at least this many "
-        "tokens per character (%(default)s)")
+    arg("--trash", type=float, help=f"drop documents with at least this many tokens per "
+        f"character ({TRASH}, or --tokenizer's: its vocabulary's scale)")
     arg("--sample-mb", type=float, default=SAMPLE_MB, help="tokenizer sample (%(default)s MB)")
     arg("--tokenizer", help="reuse the tokenizer of a prepared folder instead of training one")
     arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (%(default)s)")
@@ -401,7 +401,8 @@ def main(argv=None):
     args = get_args(argv)
     if os.path.exists(os.path.join(args.out, "meta.json")):
         die(f"--out {args.out} holds prepared data (meta.json): choose another --out")
-    tok = read_prepared(args.tokenizer)[1] if args.tokenizer else None
+    given, tok = read_prepared(args.tokenizer)[:2] if args.tokenizer else ({"trash": TRASH}, None)
+    args.trash = args.trash or given["trash"]
     os.makedirs(args.out, exist_ok=True)
     # The pool before any thread (forking a threaded process is unsafe); workers ignore Ctrl-C
     pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))

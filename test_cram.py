@@ -168,10 +168,11 @@ def test_every_input_format(tmp_path):
 
 def test_reuse_tokenizer(tmp_path, data):
     held = write_jsonl(str(tmp_path / "held.jsonl"), make_docs(50, seed=9))
-    args = ["--input", held, "--out", str(tmp_path / "held"), "--seq-len", "32", "--trash", "1", "--tokenizer"]
+    args = ["--input", held, "--out", str(tmp_path / "held"), "--seq-len", "32", "--tokenizer"]
     meta = prepare.main([*args, data])  # no --vocab-size: the tokenizer's
     assert open(data_file(str(tmp_path / "held"), "tokenizer")).read() == open(data_file(data, "tokenizer")).read()
     assert meta["vocab_size"] == 350 and meta["special_tokens"] == prepare.read_prepared(data)[0]["special_tokens"]
+    assert meta["trash"] == 1  # the tokenizer's folder's, whose vocabulary sets the scale
     args[3] = str(tmp_path / "again")
     assert prepare.main([*args, data, "--vocab-size", "1024"])["vocab_size"] == 350  # the tokenizer's
 
@@ -419,7 +420,8 @@ def test_download_retries_are_said(tmp_path, http_server, capsys):
 
 def test_the_papers_defaults():
     args = prepare.get_args([])
-    assert (args.vocab_size, args.seq_len, args.trash, args.sample_mb, args.shards) == (32768, 128, 0.3, 100, 33)
+    assert (args.vocab_size, args.seq_len, args.trash, args.sample_mb, args.shards) == (32768, 128, None, 100, 33)
+    assert prepare.TRASH == 0.3  # main's default for --trash, unless --tokenizer brings its folder's
     with pytest.raises(SystemExit, match="--vocab-size 70000: ids are stored as uint16, at most 65536"):
         prepare.get_args(["--vocab-size", "70000"])
 
@@ -604,6 +606,16 @@ def test_ddp_signal_to_the_workers_waits_for_the_save_and_resumes_exactly(tmp_pa
     assert p.wait(300) == 0, p.stdout.read()
     a, b = torch.load(os.path.join(full, "ckpt.pt")), torch.load(os.path.join(part, "ckpt.pt"))
     assert a["step"] == b["step"] == 12 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_ranks_wait_an_hour_for_rank_0_not_nccls_ten_minutes(monkeypatch):
+    seen = {}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(cram.dist, "init_process_group", lambda backend, timeout: seen.update(timeout=timeout))
+    monkeypatch.setattr(cram.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(cram.dist, "get_world_size", lambda: 2)
+    assert cram.setup(cram.get_args(["--device", "cpu"]))[:2] == (0, 2)
+    assert seen["timeout"].total_seconds() == cram.SAVE_TIMEOUT == 3600
 
 
 def test_batches_keep_numpys_permutation_in_four_bytes_a_row():
