@@ -595,10 +595,7 @@ def get_args(argv=None):
 
 
 def pick_device(name):
-    try:
-        return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as e:
-        die(f"--device {name}: {e}")
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def setup(args):

@@ -379,10 +379,8 @@ def test_read_prepared_names_a_missing_or_damaged_file(tmp_path, data):
     meta, tok = prepare.read_prepared(data)[:2]
     ranks = tok["ranks"].encode()
     cases = [  # (file, its new content or None: removed, what the one line says)
-        ("meta.json", json.dumps(dict(meta, vocab_size=300)).encode(), r"tokenizer.tiktoken: .*not the 300 tokens of meta.json"),
         ("meta.json", json.dumps({k: v for k, v in meta.items() if k != "train"}).encode(), r"train.bin: .*KeyError"),
         ("meta.json", b"{not json", r"meta.json: .*JSONDecodeError"),
-        ("tokenizer.tiktoken", b"".join(ranks.splitlines(keepends=True)[:300]), r"tokenizer.tiktoken: .*not the 350 tokens"),
         ("tokenizer.tiktoken", b"not base64 at all\n!!\n", r"tokenizer.tiktoken: .*ValueError"),
         ("tokenizer.tiktoken", None, r"tokenizer.tiktoken: .*FileNotFoundError"),
         ("val.bin", b"\0" * 64 * (meta["val"]["rows"] + 1), r"val.bin: .* rows, meta.json says"),
@@ -393,9 +391,9 @@ def test_read_prepared_names_a_missing_or_damaged_file(tmp_path, data):
             prepare.read_prepared(damaged(name, content))
     with pytest.raises(SystemExit, match="none: no prepared data .*run prepare.py"):
         prepare.read_prepared(str(tmp_path / "none"))
-    with pytest.raises(SystemExit, match=r"bad/tokenizer.tiktoken: .*not the 350"):  # --tokenizer reads it the same way
+    with pytest.raises(SystemExit, match=r"bad/tokenizer.tiktoken: .*ValueError"):  # --tokenizer reads it the same way
         prepare.main(["--input", write_jsonl(str(tmp_path / "x.jsonl"), make_docs(5)), "--out", str(tmp_path / "x"),
-                      "--tokenizer", damaged("tokenizer.tiktoken", b"".join(ranks.splitlines(keepends=True)[:300]))])
+                      "--tokenizer", damaged("tokenizer.tiktoken", b"not base64 at all\n!!\n")])
 
 
 def test_text_that_is_not_a_string_is_a_bad_line(tmp_path, capsys):
@@ -715,8 +713,6 @@ def test_flags_that_cannot_work_are_refused(flags, msg, data, tmp_path, capsys):
         cram.main(["--data", data, "--out", str(tmp_path), *TINY, *flags])
     assert e.value.code == 2 and msg in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "log.jsonl")
-    with pytest.raises(SystemExit, match="^error: --device nonsense: "):
-        cram.main(["--data", data, "--out", str(tmp_path), *TINY, "--device", "nonsense"])
 
 
 def test_damaged_data_is_named_at_start(tmp_path, data):
@@ -900,10 +896,6 @@ def test_glue_bad_input_names_file_and_line(tmp_path):
         write_files(tmp_path, {"train.tsv": text})
         with pytest.raises(SystemExit, match="^error: " + path + msg):
             glue.read_tsv(path, task)
-    with open(path, "wb") as f:  # Latin-1 on line 3
-        f.write(b"index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\tcaf\xe9\tb\tentailment\n")
-    with pytest.raises(SystemExit, match="^error: " + path + r": not UTF-8 text \(invalid continuation byte at byte 55\)$"):
-        glue.read_tsv(path, "RTE")
     for tasks in ["mnli-m", "sst2", "RTE,nope", ","]:  # the names as in GLUE in any case, no aliases
         with pytest.raises(SystemExit, match=f"^error: --tasks {tasks}: name one or more of CoLA,SST-2,"):
             glue.main(["--ckpt", "c.pt", "--tasks", tasks])
@@ -1074,12 +1066,6 @@ def test_glue_json_merges_runs(glue_run):
     saved = json.load(open(tmp / "glue.json"))
     assert saved["results"]["RTE"]["trials"] == [{"accuracy": 3.0}, {"accuracy": 4.0}]
     assert saved["results"]["WNLI"]["trials"] == [{"accuracy": 1.0}] and calls == ["WNLI", "RTE", "RTE", "RTE"]
-    for bad in ['{"results": {"RTE": {"accuracy": 5', '[]', '{"results": {"RTE": 5}}', '{"results": {"RTE": {}}}',
-                '{"results": []}']:
-        (tmp / "glue.json").write_text(bad)  # corrupt: a clear error before any fine-tuning, the file untouched
-        with pytest.raises(SystemExit, match=r"^error: \S*glue.json: not a glue.py results file \(\w+\); move it aside$"):
-            run("--tasks", "WNLI")
-        assert (tmp / "glue.json").read_text() == bad and len(calls) == 4
 
 
 def test_glue_ctrl_c_exits_130_and_keeps_glue_json(glue_run, monkeypatch, capsys):
@@ -1118,8 +1104,6 @@ def test_glue_flags(glue_run, capsys):
         with pytest.raises(SystemExit):
             run("--tasks", "RTE", *flags)
         assert msg in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="^error: --device nope: .*device string: nope$"):
-        run("--tasks", "RTE", "--device", "nope")
     assert calls == []
     run("--tasks", "RTE,WNLI", "--max-train-samples", "1")  # the first example of each task
     assert calls == ["RTE", "WNLI"] and json.load(open(tmp / "glue.json"))["results"]["RTE"]["settings"]["max_train_samples"] == 1
