@@ -334,8 +334,10 @@ class Trainer:
             self.logf = open(os.path.join(args.out, "log.jsonl"), "a")
         n = sum(p.numel() for p in self.raw.parameters())
         self.log(f"crammed BERT: {self.c.layers} layers x {self.c.width}, {n / 1e6:.1f} M "
-                 f"parameters, {flops_per_token(self.c) / 1e9:.3f} GFLOP/token" +
-                 (f"; resumed at step {self.step} with the run's own {ckpt['args']}" if ckpt else ""))
+                 f"parameters, {flops_per_token(self.c) / 1e9:.3f} GFLOP/token")
+        if ckpt:
+            run = {k: v for k, v in vars(args).items() if k in RUN}
+            self.log(f"resumed at step {self.step} with the run's own settings {run}")
 
     def log(self, line, **record):
         if self.rank == 0:

@@ -781,7 +781,7 @@ def test_resume_says_the_run_keeps_its_settings(tmp_path, data, capsys):
     cram.main(["--data", data, "--out", str(tmp_path), "--steps", "2", *TINY])
     cram.main(["--data", data, "--out", str(tmp_path), "--resume", "--steps", "3", *TINY, "--width", "128"])
     out = capsys.readouterr().out
-    assert "resumed at step 2 with the run's own" in out and "'width': 64," in out
+    assert "resumed at step 2 with the run's own settings" in out and "'width': 64," in out
     assert cram.load_checkpoint(str(tmp_path / "ckpt.pt"))["step"] == 2
 
 
