@@ -241,7 +241,7 @@ def read_task(task, glue_dir):
     return {s: read_tsv(os.path.join(folder, f), task) for s, f in files.items()}
 
 
-def save(path, mine):
+def save_results(path, mine):
     """glue.json with this run's dev splits merged in: a rerun of a task replaces that task."""
     data = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else {}
     data.setdefault("results", {}).update(mine)
@@ -294,7 +294,7 @@ def main(argv=None):
             trials = [r[split] for r in runs]
             mine[split] = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}
             mine[split].update(trials=trials, settings=vars(args))
-        saved = save(out, mine)  # after every task: a long run keeps what it finished
+        saved = save_results(out, mine)  # after every task: a long run keeps what it finished
     avg, numbers = glue_score(saved["results"])  # our row, then the paper's; -: not run
     ours = "random init" if args.random_init else os.path.basename(args.ckpt)
     table = {ours: [numbers.get(s) for s in COLUMNS] + [avg]}

@@ -231,7 +231,7 @@ def pack(pool, files, tok, args):
     return close_rows(train, args.seq_len), close_rows(val, args.seq_len), s
 
 
-def prepare(args, tok, pool, fetcher, stop):
+def write_data(args, tok, pool, fetcher, stop):
     """The tokenizer (trained here, or `tok` reused), the packed rows, and then meta.json."""
     if not tok:
         files = args.input or c4_shards(args.out, args.shards, fetcher, stop)
@@ -406,7 +406,7 @@ def main(argv=None):
     pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
     fetcher, stop = ThreadPoolExecutor(1), threading.Event()  # downloads the next C4 shard
     try:
-        meta = prepare(args, tok, pool, fetcher, stop)
+        meta = write_data(args, tok, pool, fetcher, stop)
     finally:
         stop.set()  # a download in flight gives up at its next block
         fetcher.shutdown(cancel_futures=True)
