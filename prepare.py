@@ -276,8 +276,8 @@ def entry(main):
 
 
 class Progress:
-    """The progress line of every long step, at most every 2 seconds, on stderr:
-    Progress("encode", 105, "MB")(52.5) -> 'encode: 52.5/105.0 MB, 2.6 MB/s, ETA 0:20'."""
+    """The progress line of every long step, at most every 2 seconds, on stderr: 20 s in,
+    Progress("encode", 105, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'."""
 
     def __init__(self, what, total=0, unit=""):
         self.what, self.total, self.unit, self.every = what, total, unit, 2.0
