@@ -313,7 +313,7 @@ class Trainer:
         meta, self.tok, rows = read_prepared(args.data)
         self.path = os.path.join(args.out, "ckpt.pt")
         ckpt = load_checkpoint(self.path, meta, self.tok) if args.resume else None
-        if not args.resume and os.path.exists(os.path.join(args.out, "log.jsonl")):
+        if rank == 0 and not args.resume and os.path.exists(os.path.join(args.out, "log.jsonl")):
             die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
         if ckpt:  # the schedule depends on these: the run's own settings win
             vars(args).update({k: ckpt["args"][k] for k in RUN})
