@@ -3,9 +3,7 @@ cram.py: pretrain the paper's final "crammed BERT" on one GPU within a wall-cloc
 
     python cram.py --time 86400                  # the paper's day, on data/ from prepare.py
     python cram.py --preset tiny --time 600      # the CPU demo (see the README)
-    python cram.py --eval --data heldout         # a checkpoint's loss on other prepared text
     python cram.py --fill "the capital of france is [MASK]."    # ask the trained model
-    python cram.py --bench                       # throughput (tokens/s, MFU) on random tokens
     torchrun --nproc_per_node 8 cram.py ...      # several GPUs (DDP)
 """
 import argparse, contextlib, datetime, json, os, signal, time
@@ -17,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import SPECIALS, Progress, atomic, die, entry, load_tokenizer, normalize, read_prepared
+from prepare import Progress, atomic, die, entry, load_tokenizer, normalize, read_prepared
 
 # ----------------------------------------------------------------------------- the recipe
 BUDGET = 86400          # seconds: one day on one GPU, compilation included
@@ -47,7 +45,6 @@ PRESETS = {
                  alibi=1.0),
 }
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
-BENCH_STEPS = 20        # timed steps of --bench, after 3 warm-up steps (compilation, caches)
 PEAK_FLOPS = 989e12     # H100 SXM, dense bf16: MFU's denominator (A100: 312e12)
 SAVE_TIMEOUT = 3600     # seconds DDP ranks wait for rank 0 to save or evaluate (NCCL's: 600)
 RUN = ["layers", "width", "heads", "ffn", "alibi", "time", "steps", "micro_batch", "batch_size",
@@ -189,8 +186,8 @@ def mask_rows(rows, specials, gen):
     """Masked LM with static shapes: exactly round(0.25 x T) positions per row, never a special
     token (`specials`: their ids, the last of the vocabulary). Of those, 80% become [MASK], 10% a
     random token, 10% stay. For T=8 and [SEP]=9: rows=[[5, 6, 7, 9, 1, 2, 3, 4]] ->
-    positions=[[1, 6]], labels=[[6, 3]], inputs=[[5, M, 7, 9, 1, 2, M, 4]].
-    Returns inputs, positions, labels (-100: ignore)."""
+    positions=[[1, 6]], labels=[[6, 3]], idx=[[5, M, 7, 9, 1, 2, M, 4]].
+    Returns idx, positions, labels (-100: ignore)."""
     B, T = rows.shape
     special_ids, n_ordinary = torch.tensor(sorted(specials.values())), min(specials.values())
     special = torch.isin(rows, special_ids)
@@ -202,8 +199,8 @@ def mask_rows(rows, specials, gen):
     new = torch.where(r < MASK_AS_MASK + MASK_AS_RANDOM, random_ids, labels)
     new = torch.where(r < MASK_AS_MASK, specials["[MASK]"], new)
     hit = torch.isin(labels, special_ids)  # only in rows with fewer ordinary tokens than masks
-    inputs = rows.scatter(1, positions, torch.where(hit, labels, new))
-    return inputs, positions, labels.masked_fill(hit, -100)
+    idx = rows.scatter(1, positions, torch.where(hit, labels, new))
+    return idx, positions, labels.masked_fill(hit, -100)
 
 
 def masked(rows, specials, seed, device):
@@ -250,25 +247,24 @@ class Batches:
 
 
 @torch.no_grad()
-def evaluate(model, sources, n_rows, specials, micro, device):
-    """Masked-LM loss and top-1 accuracy on the masked tokens of the first n_rows rows of the
-    sources, with fixed masks so that evaluations compare; reads only the rows it needs."""
+def evaluate(model, rows, specials, micro, device):
+    """Masked-LM loss and top-1 accuracy on the masked tokens of `rows`, with fixed masks so that
+    evaluations compare."""
     model.eval()
-    loss, right, count, done = 0.0, 0, 0, 0
-    progress = Progress("evaluate", n_rows, "rows")
-    for rows in sources:
-        rows = rows[: n_rows - done]
-        for i in range(0, len(rows), micro):
-            b = masked(torch.from_numpy(rows[i:i + micro].astype(np.int64)), specials,
-                       EVAL_SEED + done + i, device)
-            with autocast(device):
-                logits = model.decode(model(b["idx"]), b["positions"]).float()  # (B, masked, V)
-            keep = b["labels"] != -100
-            loss += F.cross_entropy(logits[keep], b["labels"][keep], reduction="sum").item()
-            right += (logits.argmax(-1) == b["labels"])[keep].sum().item()
-            count += keep.sum().item()
-            progress(done + i + len(b["idx"]))
-        done += len(rows)
+    loss, right, count = 0.0, 0, 0
+    progress = Progress("evaluate", len(rows), "rows")
+    for i in range(0, len(rows), micro):
+        inputs = masked(torch.from_numpy(rows[i:i + micro].astype(np.int64)), specials,
+                        EVAL_SEED + i, device)
+        with autocast(device):
+            hidden = model(inputs["idx"])  # (B, T, width)
+            logits = model.decode(hidden, inputs["positions"]).float()  # (B, masked, vocab)
+        labels = inputs["labels"]
+        keep = labels != -100
+        loss += F.cross_entropy(logits[keep], labels[keep], reduction="sum").item()
+        right += (logits.argmax(-1) == labels)[keep].sum().item()
+        count += keep.sum().item()
+        progress(i + len(labels))
     model.train()
     return loss / max(count, 1), right / max(count, 1)
 
@@ -366,18 +362,18 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i in range(accum):
             # masks are a pure function of (seed, rank, step, micro-batch): resumable
-            batch = masked(next(self.data), self.specials, hash((a.seed, self.rank, self.step, i)),
-                           self.device)
+            inputs = masked(next(self.data), self.specials, hash((a.seed, self.rank, self.step, i)),
+                            self.device)
             if self.world > 1:  # DDP: all-reduce the gradients once, after the last micro-batch
                 self.model.require_backward_grad_sync = i == accum - 1
             with autocast(self.device):
-                loss = self.model(**batch) / accum  # we want the MEAN over micro-batches
+                loss = self.model(**inputs) / accum  # we want the MEAN over micro-batches
             loss.backward()
             loss_sum += loss.detach()
         norm = nn.utils.clip_grad_norm_(self.raw.parameters(), CLIP)
-        if not torch.isfinite(norm):  # the paper's clipping keeps this away; lr too high?
-            die(f"loss or gradients not finite at step {self.step}: {self.path} holds the "
-                f"last good checkpoint; lower --lr")
+        if not torch.isfinite(norm):  # the paper's clipping keeps this away; --resume repeats it
+            die(f"loss or gradients not finite at step {self.step}: start again with a "
+                f"lower --lr in a new --out")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.losses.append(loss_sum.item())
@@ -402,7 +398,7 @@ class Trainer:
 
     def validate(self, what="", **record):
         """Held-out masked-LM loss and accuracy on val.bin, logged."""
-        loss, acc = evaluate(self.raw, [self.val], self.args.eval_rows, self.specials,
+        loss, acc = evaluate(self.raw, self.val[:self.args.eval_rows], self.specials,
                              self.args.micro_batch, self.device)
         self.log(f"step {self.step} | {what}val loss {loss:.4f}, accuracy {100 * acc:.1f}%",
                  step=self.step, elapsed=round(self.elapsed, 1), **record, val_loss=loss,
@@ -439,7 +435,6 @@ class Trainer:
                 self.save()
                 self.t_save = time.time()
             x, stop = self.clock()
-        self.elapsed = min(self.elapsed, a.time)
         self.save()
         if self.world > 1:  # no rank leaves before rank 0's checkpoint is on the disk
             dist.barrier()
@@ -454,41 +449,7 @@ class Trainer:
         return self.raw
 
 
-# ----------------------------------------------------------------------------- bench, eval, fill
-def bench(args, device):
-    """--bench: training steps on random tokens at the chosen size: tokens/s and MFU."""
-    c = ModelConfig(layers=args.layers, width=args.width, heads=args.heads, ffn=args.ffn)
-    model, raw, opt = build(c, args, device)
-    specials = {s: c.vocab_size - 4 + i for i, s in enumerate(SPECIALS)}
-    for i in range(3 + BENCH_STEPS):
-        if i == 3:
-            t0 = time.time()
-        with autocast(device):
-            loss = model(**masked(torch.randint(0, c.vocab_size - 4, (args.micro_batch, 128)),
-                                  specials, i, device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        print(f"bench step {i}: loss {loss.item():.3f}", flush=True)  # .item() waits for the GPU
-    tok_s = args.micro_batch * c.seq_len * BENCH_STEPS / (time.time() - t0)
-    print(f"bench: {device} micro-batch {args.micro_batch} compile={model is not raw} "
-          f"tokens/s={tok_s:.0f} mfu={mfu(tok_s, c, 1):.1%}", flush=True)
-    return tok_s
-
-
-def eval_ckpt(args, device):
-    """--eval: a checkpoint's loss and accuracy on all of DATA's rows, up to --eval-rows."""
-    meta, tok, rows = read_prepared(args.data)
-    ckpt = load_checkpoint(args.ckpt, meta, tok)
-    model = load_model(ckpt).to(device)
-    n = min(args.eval_rows, len(rows["train"]) + len(rows["val"]))
-    loss, acc = evaluate(model, [rows["train"], rows["val"]], n, tok["special_tokens"],
-                         args.micro_batch, device)
-    print(f"held-out loss of {args.ckpt} (step {ckpt['step']}) on {n:,} rows of {args.data}: "
-          f"{loss:.4f}; it guesses {100 * acc:.1f}% of the masked tokens", flush=True)
-    return loss
-
-
+# ----------------------------------------------------------------------------- asking the model
 def encode_masked(text, enc):
     """Ids of a text with [MASK]s, normalised as prepare.py does. A [MASK] stands for a token and
     the space before it, as words are in the corpus: 'The Cat [MASK] on it' -> ids('the cat') +
@@ -580,12 +541,8 @@ def get_args(argv=None):
     arg("--eval-rows", type=int, default=2048, help="held-out rows for the loss and accuracy")
     arg("--save-every", type=float, default=1800, help="seconds between checkpoints")
     arg("--resume", action="store_true", help="continue OUT/ckpt.pt exactly where it stopped")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--eval", action="store_true", help="only score --ckpt on DATA's rows "
-                      "(e.g. held-out text prepared with --tokenizer)")
-    mode.add_argument("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK]")
-    mode.add_argument("--bench", action="store_true", help="time training steps, random tokens")
-    arg("--ckpt", help="checkpoint for --eval and --fill (default: OUT/ckpt.pt)")
+    arg("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK], no training")
+    arg("--ckpt", help="checkpoint for --fill (default: OUT/ckpt.pt)")
     args = ap.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k, None) is None:
@@ -619,10 +576,6 @@ def main(argv=None):
     rank, world, device = setup(args)
     if args.fill:
         return fill(args, device)
-    if args.bench:
-        return bench(args, device)
-    if args.eval:
-        return eval_ckpt(args, device)
     STOP.clear()  # Ctrl-C and SIGTERM save and stop at the next step; then the caller's handlers
     old = {s: signal.signal(s, lambda signum, frame: STOP.append(signum))
            for s in (signal.SIGINT, signal.SIGTERM)}

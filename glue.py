@@ -140,11 +140,11 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     order = torch.cat([torch.randperm(len(ids)) for _ in range(args.epochs)])  # epoch by epoch
     steps = math.ceil(len(order) / args.batch_size)
     progress = Progress(f"{task} trial {trial + 1}/{args.trials}", len(order), "ex")
-    for step, batch in enumerate(order.split(args.batch_size)):
+    for step, picked in enumerate(order.split(args.batch_size)):
         opt.param_groups[0]["lr"] = learning_rate(step, steps, args.lr)
-        y = ys[batch].to(device)
+        y = ys[picked].to(device)
         with autocast(device):
-            out = model(ids[batch].to(device))
+            out = model(ids[picked].to(device))
         loss = F.mse_loss(out[:, 0], y) if labels is None else F.cross_entropy(out, y)
         opt.zero_grad()
         loss.backward()

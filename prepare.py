@@ -164,10 +164,11 @@ def train_bpe(counts, n_vocab):
 
 
 def load_tokenizer(tok):
-    """tiktoken.Encoding from the dict in meta.json / checkpoints (ranks as rank-file text)."""
+    """tiktoken.Encoding from the dict in meta.json / checkpoints; its "ranks" are the text of a
+    rank file, a line per token: 'IGNhdA== 1000' (base64 of b' cat', its id) -> {b' cat': 1000}."""
     pairs = (line.split() for line in tok["ranks"].splitlines())
-    ranks = {base64.b64decode(token): int(rank) for token, rank in pairs}
-    return tiktoken.Encoding("cram", pat_str=tok["pattern"], mergeable_ranks=ranks,
+    vocab = {base64.b64decode(token): int(i) for token, i in pairs}
+    return tiktoken.Encoding("cram", pat_str=tok["pattern"], mergeable_ranks=vocab,
                              special_tokens=tok["special_tokens"])
 
 
@@ -183,9 +184,9 @@ def train_tokenizer(pool, files, args):
             break
     if not counts:
         die(f"no text in {' '.join(args.input or ['the C4 shards'])}")
-    ranks = train_bpe(counts, args.vocab_size - len(SPECIALS))
-    lines = [f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items()]
-    specials = {s: len(ranks) + i for i, s in enumerate(SPECIALS)}
+    vocab = train_bpe(counts, args.vocab_size - len(SPECIALS))
+    lines = [f"{base64.b64encode(token).decode()} {i}\n" for token, i in vocab.items()]
+    specials = {s: len(vocab) + i for i, s in enumerate(SPECIALS)}
     return {"ranks": "".join(lines), "pattern": PATTERN, "special_tokens": specials}
 
 
@@ -236,10 +237,10 @@ def write_data(args, tok, pool, fetcher, stop):
     if not tok:
         files = args.input or c4_shards(args.out, args.shards, fetcher, stop)
         tok = train_tokenizer(pool, files, args)
-    ranks = os.path.join(args.out, "tokenizer.tiktoken")
-    pathlib.Path(ranks).write_text(tok["ranks"])
+    rank_file = os.path.join(args.out, "tokenizer.tiktoken")
+    pathlib.Path(rank_file).write_text(tok["ranks"])
     files = args.input or c4_shards(args.out, args.shards, fetcher, stop)  # a pass of its own
-    train, val, s = pack(pool, files, dict(tok, ranks=None, file=ranks), args)
+    train, val, s = pack(pool, files, dict(tok, ranks=None, file=rank_file), args)
     if not s["documents"] and s["trash"]:
         die(f"the trash filter dropped all {s['trash']:,} documents (at least {args.trash:g} "
             f"tokens per character); raise --trash")
