@@ -226,8 +226,9 @@ def ramp(x, batch_size, micro):
 
 
 class Batches:
-    """Rows in a seeded random order, a new permutation every epoch; (epoch, pos) is all the
-    state there is, so a resumed run reads the same rows. Each rank reads its own slice."""
+    """Rows in a seeded, uniformly random order, a new permutation every epoch (v2 orders them by
+    a sentence-length curriculum instead); (epoch, pos) is all the state there is, so a resumed
+    run reads the same rows. Each rank reads its own slice."""
 
     def __init__(self, rows, micro, seed, rank=0, world=1, epoch=0, pos=0):
         self.rows, self.micro, self.seed, self.rank, self.world = rows, micro, seed, rank, world
