@@ -165,7 +165,7 @@ def train_bpe(counts, n_vocab):
 
 def load_tokenizer(tok):
     """tiktoken.Encoding from the dict in meta.json / checkpoints; its "ranks" are the text of a
-    rank file, a line per token, its bytes in base64 and its id: 'IGNhdA== 1000' is b' cat', 1000."""
+    rank file, a line per token: its bytes in base64, its id. 'IGNhdA== 1000': b' cat' is 1000."""
     pairs = (line.split() for line in tok["ranks"].splitlines())
     vocab = {base64.b64decode(token): int(i) for token, i in pairs}
     return tiktoken.Encoding("cram", pat_str=tok["pattern"], mergeable_ranks=vocab,
