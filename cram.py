@@ -6,7 +6,7 @@ cram.py: pretrain the paper's final "crammed BERT" on one GPU within a wall-cloc
     python cram.py --fill "the capital of france is [MASK]."    # ask the trained model
     torchrun --nproc_per_node 8 cram.py ...      # several GPUs (DDP)
 """
-import argparse, contextlib, datetime, json, os, signal, time
+import argparse, datetime, json, os, signal, time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -249,20 +249,22 @@ class Batches:
 
 @torch.no_grad()
 def evaluate(model, rows, specials, micro, device):
-    """Masked-LM loss and top-1 accuracy on the masked tokens of `rows`, with fixed masks so that
-    evaluations compare."""
+    """Masked-LM loss and top-1 accuracy on the masked tokens of `rows`. Row i is masked with the
+    seed EVAL_SEED + i alone, so its mask does not depend on the batching: evaluations compare."""
     model.eval()
     loss, right, count = 0.0, 0, 0
     progress = Progress("evaluate", len(rows), "rows")
+    per_row = [mask_rows(torch.from_numpy(row[None].astype(np.int64)), specials,
+                         torch.Generator().manual_seed(EVAL_SEED + i))
+               for i, row in enumerate(rows)]
+    idx, positions, targets = (torch.cat(t) for t in zip(*per_row))  # each (rows, ...)
     for i in range(0, len(rows), micro):
-        inputs = masked(torch.from_numpy(rows[i:i + micro].astype(np.int64)), specials,
-                        EVAL_SEED + i, device)
         with autocast(device):
-            hidden = model(inputs["idx"])  # (B, T, width)
-            logits = model.decode(hidden, inputs["positions"]).float()  # (B, masked, vocab)
-        labels = inputs["labels"]
+            hidden = model(idx[i:i + micro].to(device))  # (B, T, width)
+            logits = model.decode(hidden, positions[i:i + micro].to(device))  # (B, masked, V)
+        labels = targets[i:i + micro].to(device)
         keep = labels != -100
-        loss += F.cross_entropy(logits[keep], labels[keep], reduction="sum").item()
+        loss += F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum").item()
         right += (logits.argmax(-1) == labels)[keep].sum().item()
         count += keep.sum().item()
         progress(i + len(labels))
@@ -309,9 +311,11 @@ class Trainer:
         self.args, self.rank, self.world, self.device = args, rank, world, device
         meta, self.tok, rows = read_prepared(args.data)
         self.path = os.path.join(args.out, "ckpt.pt")
-        ckpt = load_checkpoint(self.path, meta, self.tok) if args.resume else None
-        if rank == 0 and not args.resume and os.path.exists(os.path.join(args.out, "log.jsonl")):
+        if args.resume and not os.path.isfile(self.path):  # e.g. a run killed before its first save
+            die(f"{self.path}: no checkpoint to resume; start without --resume")
+        if not args.resume and os.path.exists(self.path):  # a folder with a checkpoint holds a run
             die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
+        ckpt = load_checkpoint(self.path, meta, self.tok) if args.resume else None
         if ckpt:  # the schedule depends on these: the run's own settings win
             vars(args).update({k: ckpt["args"][k] for k in RUN})
         self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
@@ -328,7 +332,8 @@ class Trainer:
         self.val, self.specials = rows["val"], self.tok["special_tokens"]
         if rank == 0:
             os.makedirs(args.out, exist_ok=True)
-            self.logf = open(os.path.join(args.out, "log.jsonl"), "a")
+            # a new run replaces the log of one that died before its first checkpoint
+            self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if ckpt else "w")
         n = sum(p.numel() for p in self.raw.parameters())
         self.log(f"crammed BERT: {self.c.layers} layers x {self.c.width}, {n / 1e6:.1f} M "
                  f"parameters, {flops_per_token(self.c) / 1e9:.3f} GFLOP/token")
@@ -386,7 +391,7 @@ class Trainer:
         """The log line: the mean loss since the last one, tokens/s, MFU, seconds left."""
         a, now = self.args, time.time()
         elapsed = now - self.t_start
-        tok_s = (self.seqs - self.seqs_log) * self.c.seq_len / (now - self.t_log)
+        tok_s = (self.seqs - self.seqs_log) * self.c.seq_len / self.busy  # training seconds only
         loss = sum(self.losses) / max(len(self.losses), 1)
         left = (a.steps - self.step) * elapsed / self.step if a.steps else a.time - elapsed
         r = dict(step=self.step, seqs=self.seqs, tokens=self.seqs * self.c.seq_len, loss=loss,
@@ -395,7 +400,7 @@ class Trainer:
         self.log(f"step {self.step} | {r['tokens'] / 1e6:,.1f}M tok | loss {loss:.4f} | lr "
                  f"{r['lr']:.2e} | batch {batch} | {tok_s:,.0f} tok/s | mfu {r['mfu']:.1%} | "
                  f"{elapsed:,.0f}s elapsed, {left:,.0f}s left", **r)
-        self.t_log, self.seqs_log, self.losses = now, self.seqs, []
+        self.t_log, self.seqs_log, self.losses, self.busy = now, self.seqs, [], 0.0
 
     def validate(self, what="", **record):
         """Held-out masked-LM loss and accuracy on val.bin, logged."""
@@ -423,10 +428,12 @@ class Trainer:
                  f"{self.device}; peak lr {a.lr}")
         self.t_start = time.time() - self.elapsed
         self.t_log = self.t_save = self.t_eval = time.time()
-        self.seqs_log, self.losses = self.seqs, []
+        self.seqs_log, self.losses, self.busy = self.seqs, [], 0.0
         x, stop = self.clock()
         while not stop:
+            t = time.time()
             batch = self.train_step(x)
+            self.busy += time.time() - t  # the rate counts no saves or evaluations
             if time.time() - self.t_log >= a.log_every or self.step == 1:
                 self.report(x, batch)
             if a.eval_every and time.time() - self.t_eval >= a.eval_every and self.rank == 0:
@@ -514,8 +521,6 @@ def save_checkpoint(path, ckpt):
         with atomic(path) as f:
             torch.save(ckpt, f)
     except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
-        with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
         die(f"{path}: cannot save the checkpoint ({str(e)[:80]}); the previous one is intact")
 
 

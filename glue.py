@@ -24,6 +24,7 @@ WEIGHT_DECAY = 0.0   # none: five short epochs from a pretrained start
 DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretraining has none)
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
+SETTING = ["epochs", "lr", "batch_size", "max_train_samples", "trials"]  # results that compare
 # Examples are cut to the checkpoint's row length, seq_len (128 in the recipe): no flag for it.
 
 # task: (zip name, first text column, second text column, label column, labels; None = regression)
@@ -241,15 +242,17 @@ def read_task(task, glue_dir):
     return {s: read_tsv(os.path.join(folder, f), task) for s, f in files.items()}
 
 
-def save_results(path, mine):
-    """glue.json with this run's dev splits merged in: a rerun of a task replaces that task."""
+def save_results(path, mine, run):
+    """glue.json with this run's dev splits merged in: a rerun of a task replaces that task. The
+    average is of the splits whose `run` (checkpoint and setting) is this run's: -> (data, them)."""
     data = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else {}
     data.setdefault("results", {}).update(mine)
-    data["average"] = glue_score(data["results"])[0]
+    same = {split: r for split, r in data["results"].items() if r.get("run") == run}
+    data["average"] = glue_score(same)[0]
     if mine:
         with atomic(path, "w") as f:
             json.dump(data, f, indent=1)
-    return data
+    return data, same
 
 
 def get_args(argv):
@@ -282,6 +285,8 @@ def main(argv=None):
     out = os.path.join(os.path.dirname(args.ckpt),
                        "glue-random-init.json" if args.random_init else "glue.json")
     mine = {}  # this run's finished dev splits
+    run = {"checkpoint": {"step": ckpt.get("step"), "elapsed": ckpt.get("elapsed")},
+           "setting": {k: vars(args)[k] for k in SETTING}}  # what an average may mix
     data = {t: read_task(t, args.glue_dir) for t in args.tasks}  # all files read, then training
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
     for task, rows in data.items():
@@ -293,13 +298,17 @@ def main(argv=None):
         for split in splits:  # the median of each metric, then the trials and the settings
             trials = [r[split] for r in runs]
             mine[split] = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}
-            mine[split].update(trials=trials, settings=vars(args))
-        saved = save_results(out, mine)  # after every task: a long run keeps what it finished
-    avg, numbers = glue_score(saved["results"])  # our row, then the paper's; -: not run
+            mine[split].update(trials=trials, settings=vars(args), run=run)
+        saved, same = save_results(out, mine, run)  # after every task: a long run keeps them
+    avg, numbers = glue_score(same)  # our row, then the paper's; -: not run
+    other = sorted(set(saved["results"]) - set(same))
+    if other:
+        print(f"{out}: left out {', '.join(other)}: another checkpoint or setting than this run's")
     ours = "random init" if args.random_init else os.path.basename(args.ckpt)
     table = {ours: [numbers.get(s) for s in COLUMNS] + [avg]}
     table.update({label: v + [np.mean(v)] for label, v in REFERENCE.items()})
-    print(f"\n{'model':29s}" + "".join(f"{s:>8s}" for s in COLUMNS) + "    GLUE")
+    print(f"\nours: the median of {args.trials} trial(s) per task; the paper's: of 5 (--trials 5)")
+    print(f"{'model':29s}" + "".join(f"{s:>8s}" for s in COLUMNS) + "    GLUE")
     for label, values in table.items():
         print(f"{label:29s}" + "".join("       -" if v is None else f"{v:8.1f}" for v in values))
     print(f"wrote {out}")

@@ -1,5 +1,5 @@
 """Tests for prepare.py, cram.py and glue.py: CPU only, no network, tiny data made here."""
-import base64, gzip, http.server, io, json, math, os, random, shutil, signal, subprocess, sys, threading, time, zipfile
+import base64, gzip, http.server, io, json, math, os, random, shutil, signal, stat, subprocess, sys, threading, time, zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
@@ -106,6 +106,8 @@ def test_tokenizer_round_trip_and_specials(tmp_path):
         n = prepare.normalize(d)
         assert enc.decode(enc.encode_ordinary(n)) == n
     assert prepare.normalize(docs[-1]).startswith("cafe naive facade with [mask] and [sep]")
+    assert prepare.normalize(docs[-1]).endswith("unicode 123_456 ok")  # v2: no non-ASCII at all
+    assert prepare.normalize("\u201cdon\u2019t\u201d \u2014 caf\u00e9 \U0001F600!") == "dont cafe !"
     ids = enc.encode_ordinary("[MASK] [SEP] [CLS] [PAD] [mask]")
     assert max(ids) < 346  # raw text never turns into a special id
     assert len(enc.encode_ordinary(docs[0])) < len(docs[0]) / 4  # merges were learned
@@ -218,10 +220,16 @@ def test_an_unreadable_input_is_not_a_write_error(tmp_path, monkeypatch):
 
 
 def test_trash_filter(tmp_path, capsys):
-    docs = make_docs(100) + ["".join(map(chr, np.random.default_rng(1).integers(0x4e00, 0x9fff, 3000)))]
+    junk = "".join(map(chr, np.random.default_rng(1).integers(0x21, 0x7f, 3000)))  # no spaces
+    docs = make_docs(100) + [junk]
     meta, out = prep(str(tmp_path), docs, "--trash", "0.8")
     assert meta["filters"]["trash"] == 1 and meta["filters"]["trash_chars"] == 3000
-    assert '"trash": 1, "trash_chars": 3000} (much trash in normal text? raise --trash)' in capsys.readouterr().out
+    said = capsys.readouterr().out  # 1 in 101 documents: normal text, nothing to say
+    assert '"trash": 1, "trash_chars": 3000}\n' in said and "raise --trash" not in said
+    meta, _ = prep(str(tmp_path), docs[:40] + [junk], "--trash", "0.8", name="much")  # 1 in 40: said
+    assert '"trash_chars": 3000}\nthe trash filter dropped 2.4% of the documents: much trash? raise --trash' in capsys.readouterr().out
+    meta, _ = prep(str(tmp_path), docs, "--trash", "0", name="none")  # 0: no filter, not the default
+    assert meta["documents"] == 101 and meta["trash"] == 0 and meta["filters"]["trash"] == 0
     enc, texts = prepare.load_tokenizer(prepare.read_prepared(out)[1]), [prepare.normalize(d) for d in docs[:100]]
     ratios = sorted(len(enc.encode_ordinary(t)) / len(t) for t in texts)
     trash = (ratios[49] + ratios[50]) / 2  # the paper's rule: a document stays if tokens < trash x characters
@@ -341,6 +349,22 @@ def test_workers_give_identical_output(tmp_path, monkeypatch):
         assert metas[-1]["filters"]["bad_lines"] == 2 and metas[-1]["filters"]["duplicates"] == 19  # doc 5 was replaced
     assert metas[0] == metas[1] == metas[2]
     assert folder_bytes(tmp_path / "1") == folder_bytes(tmp_path / "3") == folder_bytes(tmp_path / "2")
+
+
+def test_atomic_cleans_up_after_any_writer_and_syncs_the_folder(tmp_path, monkeypatch):
+    path = str(tmp_path / "f.json")
+    with prepare.atomic(path, "w") as f:
+        f.write("old")
+    with pytest.raises(OSError):
+        with prepare.atomic(path, "w") as f:
+            f.write("half")
+            raise OSError(28, "No space left on device")
+    assert open(path).read() == "old" and os.listdir(tmp_path) == ["f.json"]
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(prepare.os, "fsync", lambda fd: synced.append(os.fstat(fd).st_mode) or fsync(fd))
+    with prepare.atomic(path) as f:
+        f.write(b"new")
+    assert open(path).read() == "new" and [stat.S_ISDIR(m) for m in synced] == [False, True]
 
 
 def test_prepared_data_is_never_overwritten(tmp_path):
@@ -675,6 +699,45 @@ def test_compiled_training_step_matches_eager_on_cpu(tmp_path):
             fast.backward()
             assert abs(eager.item() - fast.item()) < 0.02 * eager.item()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_run_killed_before_its_first_save_starts_again(tmp_path, data):
+    out = str(tmp_path / "run")
+    p = run_cram("--data", data, "--out", out, "--steps", "100000", *TINY)
+    while not os.path.exists(os.path.join(out, "log.jsonl")) or len(records(out)) < 5:
+        assert p.poll() is None, p.stdout.read()
+        time.sleep(0.05)
+    p.kill()  # SIGKILL: no save, as the OOM killer or a power cut
+    p.wait(60)
+    assert not os.path.exists(os.path.join(out, "ckpt.pt"))
+    with pytest.raises(SystemExit, match=r"^error: \S*ckpt.pt: no checkpoint to resume; start without --resume$"):
+        cram.main(["--data", data, "--out", out, "--steps", "3", "--resume", *TINY])
+    cram.main(["--data", data, "--out", out, "--steps", "3", *TINY])  # the same command: it starts there
+    log = records(out)  # the dead run's log is replaced
+    assert [r["step"] for r in log] == [1, 2, 3, 3] and cram.load_checkpoint(os.path.join(out, "ckpt.pt"))["step"] == 3
+
+
+def test_the_rate_counts_training_time_only(tmp_path, data, monkeypatch):
+    real_save = cram.torch.save
+
+    def slow_save(obj, f):  # each checkpoint takes a second; a step of TINY takes milliseconds
+        time.sleep(1.0)
+        real_save(obj, f)
+    monkeypatch.setattr(cram.torch, "save", slow_save)
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "4", "--save-every", "0", "--eval-every", "1e-9",
+               *TINY])
+    steps = [r for r in records(str(tmp_path)) if "tok_s" in r]
+    assert len(steps) == 4  # a save and a validation between every two log lines, none in the rate:
+    assert all(r["tok_s"] > 16 * 32 / 1.0 for r in steps)  # 16 rows of 32 tokens in well under the save's second
+
+
+def test_validation_masks_do_not_depend_on_the_micro_batch(tmp_path, data):
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "20", "--lr", "3e-3", *TINY])
+    ckpt = cram.load_checkpoint(str(tmp_path / "ckpt.pt"))
+    model, (meta, tok, rows) = cram.load_model(ckpt), prepare.read_prepared(data)
+    scores = [cram.evaluate(model, rows["train"][:40], tok["special_tokens"], micro, torch.device("cpu"))
+              for micro in (4, 8, 40)]  # 40 rows, in 10, 5 and 1 batches
+    assert scores[1] == pytest.approx(scores[0], rel=1e-6) and scores[2] == pytest.approx(scores[0], rel=1e-6)
 
 
 def test_out_folder_holds_a_run(tmp_path, data):
@@ -1052,6 +1115,31 @@ def test_glue_json_merges_runs(glue_run):
     saved = json.load(open(tmp / "glue.json"))
     assert saved["results"]["RTE"]["trials"] == [{"accuracy": 3.0}, {"accuracy": 4.0}]
     assert saved["results"]["WNLI"]["trials"] == [{"accuracy": 1.0}] and calls == ["WNLI", "RTE", "RTE", "RTE"]
+
+
+def test_glue_average_is_of_one_checkpoint_and_one_setting(glue_run, capsys):
+    run, calls, tmp = glue_run
+    for task, files in FIXTURES.items():
+        write_files(tmp / "glue" / task, files)
+    run("--tasks", "CoLA,SST-2,MRPC,STS-B,QQP,MNLI,QNLI,RTE")
+    saved = json.load(open(tmp / "glue.json"))
+    assert saved["average"] == pytest.approx(np.mean([1, 2, 3, 4, 5, 6, 6, 7, 8]))  # MNLI: m and mm
+    assert "left out" not in capsys.readouterr().out
+    assert saved["results"]["RTE"]["run"] == {"checkpoint": {"step": None, "elapsed": None}, "setting": {
+        "epochs": 5, "lr": 4e-5, "batch_size": 16, "max_train_samples": None, "trials": 1}}
+    run("--tasks", "RTE", "--max-train-samples", "1")  # few-shot RTE beside full-data results
+    out = capsys.readouterr().out
+    assert json.load(open(tmp / "glue.json"))["average"] is None
+    assert "left out CoLA, MNLI-m, MNLI-mm, MRPC, QNLI, QQP, SST-2, STS-B: another checkpoint or setting" in out
+    run("--tasks", "RTE")  # back to the same setting: the nine agree again
+    assert json.load(open(tmp / "glue.json"))["average"] == pytest.approx(np.mean([1, 2, 3, 4, 5, 6, 6, 7, 10]))
+    ckpt = torch.load(tmp / "ckpt.pt")
+    torch.save({**ckpt, "step": 500, "elapsed": 1800.0}, tmp / "ckpt.pt")  # the run saved again
+    run("--tasks", "CoLA")
+    saved, out = json.load(open(tmp / "glue.json")), capsys.readouterr().out
+    assert saved["average"] is None and saved["results"]["CoLA"]["run"]["checkpoint"] == {"step": 500, "elapsed": 1800.0}
+    assert "left out MNLI-m, MNLI-mm, MRPC, QNLI, QQP, RTE, SST-2, STS-B" in out
+    assert "ours: the median of 1 trial(s) per task; the paper's: of 5 (--trials 5)" in out
 
 
 def test_glue_ctrl_c_exits_130_and_keeps_glue_json(glue_run, monkeypatch, capsys):
