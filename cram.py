@@ -1,12 +1,11 @@
-"""
-cram.py: pretrain the paper's final "crammed BERT" on one GPU within a wall-clock budget.
+"""cram.py: pretrain the paper's final "crammed BERT" on one GPU within a wall-clock budget.
 
     python cram.py --time 86400                  # the paper's day, on data/ from prepare.py
     python cram.py --preset tiny --time 600      # the CPU demo (see the README)
     python cram.py --fill "the capital of france is [MASK]."    # ask the trained model
     torchrun --nproc_per_node 8 cram.py ...      # several GPUs (DDP)
 """
-import argparse, datetime, json, os, signal, time
+import argparse, datetime, json, math, os, signal, time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -30,8 +29,7 @@ RAMP_END = 0.6          # the batch reaches --batch-size at 60% of the budget
 MICRO_BATCH = 128       # sequences per forward pass (v2's default for a 24 GB GPU)
 BATCH_SIZE = 8192       # sequences per optimizer step at the end of the ramp
 MASK_RATE = 0.25        # v2 masks 25% of the tokens (BERT: 15%): more signal per sequence
-MASK_AS_MASK = 0.8      # of the masked: 80% become [MASK], 10% a random token, 10% stay
-MASK_AS_RANDOM = 0.1
+MASK_AS_MASK, MASK_AS_RANDOM = 0.8, 0.1  # of the masked: 80% [MASK], 10% a random token, 10% stay
 INIT_STD = 0.02         # normal init of every linear and embedding weight
 LN_EPS = 1e-12          # LayerNorm epsilon of the official model
 PRESETS = {
@@ -252,8 +250,7 @@ def evaluate(model, rows, specials, micro, device):
     """Masked-LM loss and top-1 accuracy on the masked tokens of `rows`. Row i is masked with the
     seed EVAL_SEED + i alone, so its mask does not depend on the batching: evaluations compare."""
     model.eval()
-    loss, right, count = 0.0, 0, 0
-    progress = Progress("evaluate", len(rows), "rows")
+    loss, right, count, progress = 0.0, 0, 0, Progress("evaluate", len(rows), "rows")
     per_row = [mask_rows(torch.from_numpy(row[None].astype(np.int64)), specials,
                          torch.Generator().manual_seed(EVAL_SEED + i))
                for i, row in enumerate(rows)]
@@ -298,77 +295,118 @@ def build(c, args, device, world=1):
     return model, raw, opt
 
 
-def mfu(tok_s, c, world):
-    """Model FLOPs utilisation: the share of one GPU's dense bf16 peak the training uses."""
-    return flops_per_token(c) * tok_s / world / PEAK_FLOPS
+LINE = {"step": "step {}", "tokens": "{:,} tok", "loss": "loss {:.4f}", "lr": "lr {:.2e}",
+        "batch": "batch {}", "tok_s": "{:,} tok/s", "mfu": "mfu {:.1%}",
+        "elapsed": "{:,.0f}s elapsed", "left": "{:,.0f}s left", "val_loss": "val loss {:.4f}",
+        "val_acc": "accuracy {:.1%}"}  # how log.jsonl's records print
 
 
 class Trainer:
-    """One pretraining run. Its state (weights, optimizer, RNG, step, sequences, elapsed seconds,
-    data position) is what a checkpoint holds, so --resume is exact."""
+    """One pretraining run. `self.state` with the weights, the optimizer and the RNG is what a
+    checkpoint holds, so --resume continues exactly."""
 
     def __init__(self, args, rank, world, device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
         meta, self.tok, rows = read_prepared(args.data)
         self.path = os.path.join(args.out, "ckpt.pt")
-        if args.resume and not os.path.isfile(self.path):  # e.g. a run killed before its first save
-            die(f"{self.path}: no checkpoint to resume; start without --resume")
-        if not args.resume and os.path.exists(self.path):  # a folder with a checkpoint holds a run
+        ckpt = None  # a folder holds a run once it holds a checkpoint (a log alone: one that died)
+        if args.resume:
+            ckpt = load_checkpoint(self.path, meta, self.tok, "; start without --resume")
+            vars(args).update({k: ckpt["args"][k] for k in RUN})  # the schedule depends on them
+        elif os.path.exists(self.path):
             die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
-        ckpt = load_checkpoint(self.path, meta, self.tok) if args.resume else None
-        if ckpt:  # the schedule depends on these: the run's own settings win
-            vars(args).update({k: ckpt["args"][k] for k in RUN})
+        os.makedirs(args.out, exist_ok=True)
         self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
                              args.heads, args.ffn, alibi=args.alibi)
         self.model, self.raw, self.opt = build(self.c, args, device, world)
-        self.step, self.seqs, self.elapsed, data_pos = 0, 0, 0.0, (0, 0)
+        self.state = dict(step=0, seqs=0, elapsed=0.0, data=[0, 0])  # data: epoch, position
         if ckpt:
             self.raw.load_state_dict(ckpt["model"])
             self.opt.load_state_dict(ckpt["optimizer"])
             torch.set_rng_state(ckpt["rng"])
-            self.step, self.seqs, self.elapsed = ckpt["step"], ckpt["seqs"], ckpt["elapsed"]
-            data_pos = ckpt["data"]
-        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *data_pos)
+            self.state = {k: ckpt[k] for k in self.state}
+        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world,
+                            *self.state["data"])
         self.val, self.specials = rows["val"], self.tok["special_tokens"]
-        if rank == 0:
-            os.makedirs(args.out, exist_ok=True)
-            # a new run replaces the log of one that died before its first checkpoint
+        if rank == 0:  # a new run replaces the log of one that died before its first checkpoint
             self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if ckpt else "w")
         n = sum(p.numel() for p in self.raw.parameters())
-        self.log(f"crammed BERT: {self.c.layers} layers x {self.c.width}, {n / 1e6:.1f} M "
-                 f"parameters, {flops_per_token(self.c) / 1e9:.3f} GFLOP/token")
+        budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
+        self.log(f"crammed BERT {self.c.layers} x {self.c.width}: {n / 1e6:.1f} M parameters, "
+                 f"{flops_per_token(self.c) / 1e9:.3f} GFLOP/token | budget {budget} | batch "
+                 f"ramps to {args.batch_size} in micro-batches of {args.micro_batch} x {world} "
+                 f"on {device} | peak lr {args.lr}")
+        if device.type == "cpu" and args.preset == "crammed":  # a newcomer on a laptop
+            self.log("on a CPU the paper's model reads a few hundred tokens/s (275 on 2 cores: "
+                     "24 M a day, 1/200 of the paper's GPU); the README's CPU demo learns in "
+                     "minutes: --preset tiny on data prepared with --vocab-size 2048")
         if ckpt:
             run = {k: v for k, v in vars(args).items() if k in RUN}
-            self.log(f"resumed at step {self.step} with the run's own settings {run}")
+            self.log(f"resumed at step {self.state['step']} with the run's own settings {run}")
 
-    def log(self, line, **record):
+    def log(self, line="", **record):
+        """A line, or a record: printed as one ('step 3 | loss 4.5000 | ...'), kept in log.jsonl."""
         if self.rank == 0:
-            print(line, flush=True)
+            fields = (LINE[k].format(v) for k, v in record.items() if k in LINE)
+            print(line or " | ".join(fields), flush=True)
             if record:
                 self.logf.write(json.dumps(record) + "\n")
                 self.logf.flush()
 
-    def clock(self):
-        """x, the fraction of the budget used, and whether to stop. Ranks' clocks differ, so
-        all take the largest: the schedule and the last step must be the same everywhere."""
-        now = torch.tensor([time.time() - self.t_start, len(STOP)], dtype=torch.float64)
-        if self.world > 1:
-            now = now.to(self.device)
-            dist.all_reduce(now, dist.ReduceOp.MAX)
-        self.elapsed, stop = now.tolist()
-        x = self.step / self.args.steps if self.args.steps else self.elapsed / self.args.time
-        return x, stop or x >= 1
+    def train(self):
+        """The loop: the clock, a step, and each on its own clock a log line, a validation and a
+        checkpoint; at the end a checkpoint and a validation. Returns the trained model."""
+        a, s, T = self.args, self.state, self.c.seq_len
+        t_start = time.time() - s["elapsed"]  # a resumed run goes on from its own elapsed time
+        t_log = t_eval = t_save = time.time()
+        busy, seqs_log, losses = 0.0, s["seqs"], []
+        while True:
+            # the clock: ranks' clocks differ, so all take the largest, and any rank's signal
+            now = torch.tensor([time.time() - t_start, len(STOP)], dtype=torch.float64)
+            if self.world > 1:
+                now = now.to(self.device)
+                dist.all_reduce(now, dist.ReduceOp.MAX)
+            s["elapsed"], stop = now.tolist()
+            x = s["step"] / a.steps if a.steps else s["elapsed"] / a.time  # the budget used
+            if stop or x >= 1:
+                break
+            t = time.time()
+            batch, loss = self.train_step(x)
+            busy += time.time() - t  # the rate counts training only, no saves or validations
+            losses.append(loss)
+            if time.time() - t_log >= a.log_every or s["step"] == 1:
+                elapsed, tok_s = time.time() - t_start, (s["seqs"] - seqs_log) * T / busy
+                left = (a.steps - s["step"]) * elapsed / s["step"] if a.steps else a.time - elapsed
+                self.log(step=s["step"], seqs=s["seqs"], tokens=s["seqs"] * T,
+                         loss=sum(losses) / len(losses), lr=schedule(x, a.lr), batch=batch,
+                         tok_s=round(tok_s), mfu=flops_per_token(self.c) * tok_s / self.world
+                         / PEAK_FLOPS, elapsed=round(elapsed, 1), left=max(0.0, left))
+                t_log, busy, seqs_log, losses = time.time(), 0.0, s["seqs"], []
+            if a.eval_every and time.time() - t_eval >= a.eval_every and self.rank == 0:
+                self.validate()
+                t_eval = time.time()
+            if time.time() - t_save >= a.save_every:
+                self.save()
+                t_save = time.time()
+        self.save()
+        if self.world > 1:  # no rank leaves before rank 0's checkpoint is on the disk
+            dist.barrier()
+            dist.destroy_process_group()
+        if not STOP and self.rank == 0:
+            self.validate()
+        return self.raw
 
     def train_step(self, x):
-        """Accumulate micro-batches up to the ramp's batch, clip, step; returns the batch."""
-        a = self.args
+        """Accumulate micro-batches up to the ramp's batch, clip, step: -> (batch, loss)."""
+        a, s = self.args, self.state
         for g in self.opt.param_groups:
             g["lr"] = schedule(x, a.lr)
         accum = ramp(x, a.batch_size, a.micro_batch * self.world)
         loss_sum = torch.zeros((), device=self.device)
         for i in range(accum):
-            # masks are a pure function of (seed, rank, step, micro-batch): resumable
-            inputs = masked(next(self.data), self.specials, hash((a.seed, self.rank, self.step, i)),
+            # masks are a pure function of (seed, rank, step, micro-batch): resumable. On a GPU
+            # the CPU masks the next micro-batch while the device works on this one
+            inputs = masked(next(self.data), self.specials, hash((a.seed, self.rank, s["step"], i)),
                             self.device)
             if self.world > 1:  # DDP: all-reduce the gradients once, after the last micro-batch
                 self.model.require_backward_grad_sync = i == accum - 1
@@ -377,84 +415,38 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach()
         norm = nn.utils.clip_grad_norm_(self.raw.parameters(), CLIP)
-        if not torch.isfinite(norm):  # the paper's clipping keeps this away; --resume repeats it
-            die(f"loss or gradients not finite at step {self.step}: start again with a "
-                f"lower --lr in a new --out")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        self.losses.append(loss_sum.item())
-        self.step += 1
-        self.seqs += accum * a.micro_batch * self.world
-        return accum * a.micro_batch * self.world
+        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one CPU-GPU sync point
+        if not math.isfinite(norm):  # the paper's clipping keeps this away; never saved
+            die(f"loss or gradients not finite at step {s['step']}: start again with a "
+                f"lower --lr in a new --out")
+        s["step"] += 1
+        s["seqs"] += accum * a.micro_batch * self.world
+        return accum * a.micro_batch * self.world, loss
 
-    def report(self, x, batch):
-        """The log line: the mean loss since the last one, tokens/s, MFU, seconds left."""
-        a, now = self.args, time.time()
-        elapsed = now - self.t_start
-        tok_s = (self.seqs - self.seqs_log) * self.c.seq_len / self.busy  # training seconds only
-        loss = sum(self.losses) / max(len(self.losses), 1)
-        left = (a.steps - self.step) * elapsed / self.step if a.steps else a.time - elapsed
-        r = dict(step=self.step, seqs=self.seqs, tokens=self.seqs * self.c.seq_len, loss=loss,
-                 lr=schedule(x, a.lr), batch=batch, tok_s=round(tok_s),
-                 mfu=mfu(tok_s, self.c, self.world), elapsed=round(elapsed, 1))
-        self.log(f"step {self.step} | {r['tokens'] / 1e6:,.1f}M tok | loss {loss:.4f} | lr "
-                 f"{r['lr']:.2e} | batch {batch} | {tok_s:,.0f} tok/s | mfu {r['mfu']:.1%} | "
-                 f"{elapsed:,.0f}s elapsed, {left:,.0f}s left", **r)
-        self.t_log, self.seqs_log, self.losses, self.busy = now, self.seqs, [], 0.0
-
-    def validate(self, what="", **record):
+    def validate(self):
         """Held-out masked-LM loss and accuracy on val.bin, logged."""
         loss, acc = evaluate(self.raw, self.val[:self.args.eval_rows], self.specials,
                              self.args.micro_batch, self.device)
-        self.log(f"step {self.step} | {what}val loss {loss:.4f}, accuracy {100 * acc:.1f}%",
-                 step=self.step, elapsed=round(self.elapsed, 1), **record, val_loss=loss,
-                 val_acc=acc)
+        s = self.state
+        self.log(step=s["step"], seqs=s["seqs"], tokens=s["seqs"] * self.c.seq_len,
+                 elapsed=round(s["elapsed"], 1), val_loss=loss, val_acc=acc)
 
     def save(self):
-        """Rank 0 writes the checkpoint atomically; a full disk leaves the previous one."""
-        if self.rank == 0:
-            save_checkpoint(self.path, {
-                "format": "cram-ckpt-1", "model_config": asdict(self.c), "tokenizer": self.tok,
-                "model": self.raw.state_dict(), "optimizer": self.opt.state_dict(),
-                "args": vars(self.args), "step": self.step, "seqs": self.seqs,
-                "elapsed": self.elapsed, "data": [self.data.epoch, self.data.pos],
-                "rng": torch.get_rng_state()})
-
-    def train(self):
-        """The loop: clock, step, and on their own clocks log, evaluate, checkpoint."""
-        a = self.args
-        self.log(f"budget {f'{a.steps} steps' if a.steps else f'{a.time:.0f}s'}; batch ramps to "
-                 f"{a.batch_size} in micro-batches of {a.micro_batch} x {self.world} on "
-                 f"{self.device}; peak lr {a.lr}")
-        self.t_start = time.time() - self.elapsed
-        self.t_log = self.t_save = self.t_eval = time.time()
-        self.seqs_log, self.losses, self.busy = self.seqs, [], 0.0
-        x, stop = self.clock()
-        while not stop:
-            t = time.time()
-            batch = self.train_step(x)
-            self.busy += time.time() - t  # the rate counts no saves or evaluations
-            if time.time() - self.t_log >= a.log_every or self.step == 1:
-                self.report(x, batch)
-            if a.eval_every and time.time() - self.t_eval >= a.eval_every and self.rank == 0:
-                self.validate()
-                self.t_eval = time.time()
-            if time.time() - self.t_save >= a.save_every:
-                self.save()
-                self.t_save = time.time()
-            x, stop = self.clock()
-        self.save()
-        if self.world > 1:  # no rank leaves before rank 0's checkpoint is on the disk
-            dist.barrier()
-            dist.destroy_process_group()
-        if STOP:
-            self.log(f"stopped by signal {STOP[0]} at step {self.step}: {self.path} saved; "
-                     f"continue with --resume")
-            raise SystemExit(128 + STOP[0])
-        if self.rank == 0:
-            self.validate(f"done in {self.elapsed:.0f}s, {self.seqs * self.c.seq_len / 1e6:,.1f}M "
-                          f"tokens | ", seqs=self.seqs)
-        return self.raw
+        """Rank 0 writes the checkpoint atomically: a crash or a full disk leaves the last one."""
+        self.state["data"] = [self.data.epoch, self.data.pos]
+        if self.rank != 0:
+            return
+        try:
+            with atomic(self.path) as f:
+                torch.save({"format": "cram-ckpt-1", "model_config": asdict(self.c),
+                            "tokenizer": self.tok, "model": self.raw.state_dict(),
+                            "optimizer": self.opt.state_dict(), "args": vars(self.args),
+                            "rng": torch.get_rng_state(), **self.state}, f)
+        except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
+            die(f"{self.path}: cannot save the checkpoint ({str(e)[:80]}); the previous one is "
+                f"intact")
 
 
 # ----------------------------------------------------------------------------- asking the model
@@ -491,10 +483,10 @@ def fill(args, device):
 
 
 # ----------------------------------------------------------------------------- plumbing
-def load_checkpoint(path, meta=None, tok=None):
+def load_checkpoint(path, meta=None, tok=None, hint=""):
     """A cram checkpoint; given prepared data, it must share the data's tokenizer and rows."""
     if not os.path.isfile(path):
-        die(f"{path}: no checkpoint here")
+        die(f"{path}: no checkpoint here{hint}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many kinds for a damaged file
@@ -513,15 +505,6 @@ def load_model(ckpt, **overrides):
     model = Crammed(ModelConfig(**{**ckpt["model_config"], **overrides}))
     model.load_state_dict(ckpt["model"])
     return model
-
-
-def save_checkpoint(path, ckpt):
-    """Atomic (see prepare.atomic): a crash or a full disk leaves the previous checkpoint."""
-    try:
-        with atomic(path) as f:
-            torch.save(ckpt, f)
-    except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
-        die(f"{path}: cannot save the checkpoint ({str(e)[:80]}); the previous one is intact")
 
 
 def get_args(argv=None):
@@ -550,22 +533,17 @@ def get_args(argv=None):
     arg("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK], no training")
     arg("--ckpt", help="checkpoint for --fill (default: OUT/ckpt.pt)")
     args = ap.parse_args(argv)
-    for k, v in PRESETS[args.preset].items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
+    preset = PRESETS[args.preset].items()  # the flags given win
+    vars(args).update({k: v for k, v in preset if getattr(args, k, None) is None})
     if args.width % args.heads or args.ffn % 2 or args.batch_size < args.micro_batch:
         ap.error("--width must divide by --heads, --ffn be even, --batch-size >= --micro-batch")
     args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
     return args
 
 
-def pick_device(name):
-    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
 def setup(args):
     """(rank, world, device): under torchrun each process takes its own GPU and joins the group."""
-    device = pick_device(args.device)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if "RANK" not in os.environ:
         return 0, 1, device
     if device.type == "cuda":
@@ -586,10 +564,18 @@ def main(argv=None):
     old = {s: signal.signal(s, lambda signum, frame: STOP.append(signum))
            for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return Trainer(args, rank, world, device).train()
+        run = Trainer(args, rank, world, device)
+        model = run.train()
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+    if STOP:
+        run.log(f"stopped by signal {STOP[0]} at step {run.state['step']}: {run.path} saved; "
+                f"continue with --resume")
+        raise SystemExit(128 + STOP[0])
+    run.log(f"done in {run.state['elapsed']:.0f}s: {run.state['step']} steps, "
+            f"{run.state['seqs'] * run.c.seq_len:,} tokens; {run.path}")
+    return model
 
 
 if __name__ == "__main__":

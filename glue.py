@@ -3,7 +3,8 @@
     python glue.py --ckpt out/ckpt.pt                       # the eight tasks of the paper
     python glue.py --ckpt out/ckpt.pt --tasks RTE,MRPC --trials 5
     python glue.py --ckpt out/ckpt.pt --random-init         # the "no pretraining" row"""
-import argparse, json, math, os, pathlib, time, zipfile
+import argparse, json, math, os, pathlib, zipfile
+from collections import namedtuple
 
 import numpy as np
 import torch
@@ -11,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from prepare import Progress, atomic, die, download, entry, load_tokenizer, normalize
-from cram import Crammed, autocast, load_checkpoint, load_model, pick_device
+from cram import Crammed, autocast, load_checkpoint, load_model
 
 # ----------------------------------------------------------------------------- the "sane" recipe
 LR = 4e-5            # peak AdamW learning rate
@@ -27,17 +28,17 @@ TRIALS = 1           # fine-tuning runs per task; the paper reports the median o
 SETTING = ["epochs", "lr", "batch_size", "max_train_samples", "trials"]  # results that compare
 # Examples are cut to the checkpoint's row length, seq_len (128 in the recipe): no flag for it.
 
-# task: (zip name, first text column, second text column, label column, labels; None = regression)
-TASKS = {"CoLA": ("CoLA", "sentence", None, "label", ["0", "1"]),
-         "SST-2": ("SST-2", "sentence", None, "label", ["0", "1"]),
-         "MRPC": (None, "#1 String", "#2 String", "Quality", ["0", "1"]),
-         "STS-B": ("STS-B", "sentence1", "sentence2", "score", None),
-         "QQP": ("QQP-clean", "question1", "question2", "is_duplicate", ["0", "1"]),
-         "MNLI": ("MNLI", "sentence1", "sentence2", "gold_label",
-                  ["entailment", "neutral", "contradiction"]),
-         "QNLI": ("QNLIv2", "question", "sentence", "label", ["entailment", "not_entailment"]),
-         "RTE": ("RTE", "sentence1", "sentence2", "label", ["entailment", "not_entailment"]),
-         "WNLI": ("WNLI", "sentence1", "sentence2", "label", ["0", "1"])}
+Task = namedtuple("Task", "zip a b label labels")  # columns of the texts and the label
+TASKS = {"CoLA": Task("CoLA", "sentence", None, "label", ["0", "1"]),  # b None: one sentence
+         "SST-2": Task("SST-2", "sentence", None, "label", ["0", "1"]),
+         "MRPC": Task(None, "#1 String", "#2 String", "Quality", ["0", "1"]),  # built, not a zip
+         "STS-B": Task("STS-B", "sentence1", "sentence2", "score", None),  # None: regression
+         "QQP": Task("QQP-clean", "question1", "question2", "is_duplicate", ["0", "1"]),
+         "MNLI": Task("MNLI", "sentence1", "sentence2", "gold_label",
+                      ["entailment", "neutral", "contradiction"]),
+         "QNLI": Task("QNLIv2", "question", "sentence", "label", ["entailment", "not_entailment"]),
+         "RTE": Task("RTE", "sentence1", "sentence2", "label", ["entailment", "not_entailment"]),
+         "WNLI": Task("WNLI", "sentence1", "sentence2", "label", ["0", "1"])}
 COLA_HEADER = ["source", "label", "original_label", "sentence"]  # CoLA's files have no header
 DEV = {"MNLI": {"MNLI-m": "dev_matched.tsv", "MNLI-mm": "dev_mismatched.tsv"}}  # others: dev.tsv
 METRICS = {"CoLA": ["mcc"], "STS-B": ["pearson"], "MRPC": ["f1", "accuracy"],
@@ -54,7 +55,7 @@ REFERENCE = {"BERT-base, fully trained": [83.2, 83.4, 91.9, 86.7, 59.2, 90.6, 87
 def read_tsv(path, task):
     """[(text a, text b or None, label)] from a GLUE tsv file: tab separated, no quoting, lines
     split at \\n only (a stray \\r inside a text stays), MRPC's BOM dropped."""
-    _, col_a, col_b, col_y, labels = TASKS[task]
+    t = TASKS[task]
     lines = pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
     header, rows = (COLA_HEADER if task == "CoLA" else None), []
     for n, line in enumerate(lines, 1):
@@ -63,13 +64,14 @@ def read_tsv(path, task):
             header = fields
         elif fields != [""]:  # not a blank line
             row = dict(zip(header, fields))
-            y = row.get(col_y)  # None in a short row, or in the file of another task
+            y = row.get(t.label)  # None in a short row, or in the file of another task
             try:
-                rows.append((row[col_a], row[col_b] if col_b else None,
-                             float(y) if labels is None else labels.index(y)))
+                rows.append((row[t.a], row[t.b] if t.b else None,
+                             float(y) if t.labels is None else t.labels.index(y)))
             except (KeyError, TypeError, ValueError):
-                wanted = "a number" if labels is None else "one of " + ", ".join(labels)
-                die(f"{path}:{n}: label {y!r} (column {col_y!r}) is not {wanted}; is this {task}?")
+                wanted = "a number" if t.labels is None else "one of " + ", ".join(t.labels)
+                die(f"{path}:{n}: label {y!r} (column {t.label!r}) is not {wanted}; "
+                    f"is this {task}?")
     return rows
 
 
@@ -130,7 +132,7 @@ def learning_rate(step, total, peak):
 def finetune(ckpt, task, train, devs, args, trial, device):
     """Fine-tune a fresh copy of the checkpoint on one task; {dev split: {metric: value}}."""
     torch.manual_seed(args.seed + trial)  # the model's head, dropout and the order of examples
-    labels, pad = TASKS[task][4], ckpt["tokenizer"]["special_tokens"]["[PAD]"]
+    labels, pad = TASKS[task].labels, ckpt["tokenizer"]["special_tokens"]["[PAD]"]
     encoder = load_model(ckpt, dropout=DROPOUT)
     if args.random_init:  # the same model from random weights: the "no pretraining" row
         encoder = Crammed(encoder.config)
@@ -150,9 +152,8 @@ def finetune(ckpt, task, train, devs, args, trial, device):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step + 1 == steps or time.time() - progress.last >= progress.every:  # .item() waits
-            done = min((step + 1) * args.batch_size, len(order))
-            progress(done, f" | loss {loss.item():.4f}", True)
+        done = min((step + 1) * args.batch_size, len(order))  # .item() waits: only when printed
+        progress(done, lambda: f" | loss {loss.item():.4f}", force=step + 1 == steps)
     model.eval()
     results = {}
     with torch.no_grad(), autocast(device):
@@ -228,7 +229,7 @@ def read_task(task, glue_dir):
     if missing and task == "MRPC":
         build_mrpc(folder)
     elif missing:
-        zpath = download(GLUE_URL.format(TASKS[task][0]), os.path.join(folder, task + ".zip"))
+        zpath = download(GLUE_URL.format(TASKS[task].zip), os.path.join(folder, task + ".zip"))
         try:
             with zipfile.ZipFile(zpath) as z:
                 # the task's own files lie at TASK/name: RTE/train.tsv, not RTE/original/train.tsv
@@ -281,7 +282,8 @@ def get_args(argv):
 @entry
 def main(argv=None):
     args = get_args(argv)
-    ckpt, device = load_checkpoint(args.ckpt), pick_device(args.device)
+    ckpt = load_checkpoint(args.ckpt)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = os.path.join(os.path.dirname(args.ckpt),
                        "glue-random-init.json" if args.random_init else "glue.json")
     mine = {}  # this run's finished dev splits

@@ -9,7 +9,7 @@ and, written last, meta.json: a folder without meta.json is not data.
 """
 import argparse, base64, contextlib, functools, gzip, hashlib, heapq, itertools, json
 import mmap, multiprocessing, os, pathlib, re, signal, sys, threading, time, unicodedata, zlib
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict, deque, namedtuple
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,32 +44,38 @@ def normalize(text):
 
 
 # ----------------------------------------------------------------------------- reading, in workers
+def records(f, is_json):
+    """An open file's records, as bytes: each line of a .json* file; each paragraph of a .txt
+    file, its lines up to a blank one joined by spaces."""
+    lines = (line.strip() for line in f)
+    if is_json:
+        return (line for line in lines if line)
+    return (b" ".join(run) for nonblank, run in itertools.groupby(lines, key=bool) if nonblank)
+
+
 def jobs(files):
-    """Lists of (is_json, bytes), one per .json* line or .txt paragraph, about JOB_BYTES each;
-    a job never spans two files, so jobs are the same for any number of workers."""
+    """(is_json, records) of about JOB_BYTES each, a worker's job; a job never spans two files,
+    so jobs are the same for any number of workers."""
     for path in files:
-        is_json, para, job, size = ".json" in os.path.basename(path), [], [], 0
+        is_json, job, size = ".json" in os.path.basename(path), [], 0
         with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
             try:
-                for line in itertools.chain(f, [b""]):  # b"": ends the last paragraph
-                    line = line.strip()
-                    if line:
-                        para.append(line)
-                    if para and (is_json or not line):
-                        job.append((is_json, b" ".join(para)))
-                        size, para = size + len(job[-1][1]), []
+                for record in records(f, is_json):
+                    job.append(record)
+                    size += len(record)
                     if size >= JOB_BYTES:
-                        yield job
+                        yield is_json, job
                         job, size = [], 0
             except (OSError, EOFError, zlib.error) as e:
                 die(f"{path}: corrupt or truncated file ({e})")
         if job:
-            yield job
+            yield is_json, job
 
 
 def texts(job):
-    """Each record's normalised text, or None for a bad line (broken JSON or UTF-8, no text)."""
-    for is_json, raw in job:
+    """Each record's normalised text, or None for a bad record (broken JSON or UTF-8, no text)."""
+    is_json, records = job
+    for raw in records:
         try:
             doc = json.loads(raw) if is_json else {"text": raw.decode("utf-8")}
         except ValueError:
@@ -88,17 +94,21 @@ def count_chunks(job):
     return counts, chars
 
 
-ENCODERS = {}  # in each worker (a pool per run): the run's tokenizer, read once from its file
+Doc = namedtuple("Doc", "key chars ids")  # a document: a hash of its text, its length, its tokens
 
 
-def encode_job(job, tok):
-    """In a worker: per record None (a bad line) or (hash of its text, characters, token ids)."""
-    if tok["file"] not in ENCODERS:
-        ranks = pathlib.Path(tok["file"]).read_text()
-        ENCODERS[tok["file"]] = load_tokenizer(dict(tok, ranks=ranks))
-    enc = ENCODERS[tok["file"]]
-    return [(hashlib.blake2b(text.encode(), digest_size=8).digest(), len(text),
-             np.array(enc.encode_ordinary(text), np.uint16)) if text else None
+@functools.cache
+def worker_tokenizer(rank_file, pattern):
+    """In a worker: the tokenizer, read from its rank file once, at the worker's first job."""
+    ranks = pathlib.Path(rank_file).read_text()
+    return load_tokenizer({"ranks": ranks, "pattern": pattern, "special_tokens": {}})
+
+
+def encode_job(job, rank_file, pattern):
+    """In a worker: a Doc for each record of a job, None for a bad one."""
+    enc = worker_tokenizer(rank_file, pattern)
+    return [Doc(hashlib.blake2b(text.encode(), digest_size=8).digest(), len(text),
+                np.array(enc.encode_ordinary(text), np.uint16)) if text else None
             for text in texts(job)]
 
 
@@ -115,16 +125,21 @@ def in_order(pool, fn, extra, files, workers):
 
 # ----------------------------------------------------------------------------- the tokenizer
 def train_bpe(counts, n_vocab):
-    """Byte-level BPE: merge the most frequent pair of adjacent tokens into a new one, again and
-    again, e.g. ids=[1, 2, 3, 1, 2], pair=(1, 2), idx=4 -> [4, 3, 4]; ties go to the smaller pair.
-    For speed a chunk is a str of a char per token, a merge str.replace; a heap finds the best."""
+    """Byte-level BPE: merge the most frequent pair of adjacent tokens into a new token, again
+    and again; ties go to the smaller pair. A chunk (a word) is a str of one character per
+    token, chr(id), so that a merge is one str.replace. counts={' cat': 3, ' hat': 2}: words
+    [' cat', ' hat'], pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha' 2; 'at' becomes chr(256) ->
+    [' c\u0100', ' h\u0100'], vocab[256] = b'at', and 'c\u0100' 3, 'h\u0100' 2 are new pairs.
+    The invariant after every merge: pairs[q] is the count of pair q in the words, weighted by
+    their frequencies; where[q] holds every word that contains q (and some that no longer do);
+    the heap holds (-pairs[q], q) for every q, beside stale entries of older counts."""
     words, freq = ["".join(map(chr, w.encode())) for w in counts], list(counts.values())
     pairs, where = defaultdict(int), defaultdict(set)
     for i, w in enumerate(words):
         for j in range(len(w) - 1):
             pairs[w[j:j + 2]] += freq[i]
             where[w[j:j + 2]].add(i)
-    heap = [(-c, p) for p, c in pairs.items()]  # 2-char strs order like pairs of ints
+    heap = [(-c, p) for p, c in pairs.items()]  # 2-char strs order like pairs of ids
     heapq.heapify(heap)
     vocab = [bytes([b]) for b in range(256)]
     progress = Progress("tokenizer", n_vocab - 256, "merges")
@@ -197,34 +212,34 @@ def close_rows(f, seq_len):
     return rows
 
 
-def pack(pool, files, tok, args):
+def pack(pool, files, rank_file, tok, args):
     """Documents in order, exact duplicates and trash dropped, joined by [SEP] into rows: every
     VAL_EVERY-th into val.bin (and the first ones, until val has a row), the rest to train.bin."""
-    s, seen, sep = Counter(), set(), np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
+    stats, seen, sep = Counter(), set(), np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
     train, val = (open(os.path.join(args.out, f"{split}.bin"), "wb") for split in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
-    for docs in in_order(pool, encode_job, (tok,), files, args.workers):
+    for docs in in_order(pool, encode_job, (rank_file, tok["pattern"]), files, args.workers):
         to_train, to_val = [], []  # one write per job, of its documents each followed by [SEP]
         for doc in docs:
             if doc is None:
-                s["bad_lines"] += 1
-            elif doc[0] in seen:
-                s["duplicates"] += 1
-            elif args.trash and len(doc[2]) >= args.trash * doc[1]:  # the trash filter; 0: none
-                s.update(trash=1, trash_chars=doc[1])
+                stats["bad_lines"] += 1
+            elif doc.key in seen:
+                stats["duplicates"] += 1
+            elif args.trash and len(doc.ids) >= args.trash * doc.chars:  # the trash filter
+                stats.update(trash=1, trash_chars=doc.chars)
             else:
-                seen.add(doc[0])
-                held = s["documents"] % VAL_EVERY == 0 or s["val_tokens"] < args.seq_len
-                if held and s["val_tokens"] < VAL_CAP:
-                    to_val += [doc[2], sep]
-                    s["val_tokens"] += len(doc[2]) + 1
+                seen.add(doc.key)
+                held = stats["documents"] % VAL_EVERY == 0 or stats["val_tokens"] < args.seq_len
+                if held and stats["val_tokens"] < VAL_CAP:
+                    to_val += [doc.ids, sep]
+                    stats["val_tokens"] += len(doc.ids) + 1
                 else:
-                    to_train += [doc[2], sep]
-                s.update(documents=1, characters=doc[1], tokens=len(doc[2]))
+                    to_train += [doc.ids, sep]
+                stats.update(documents=1, characters=doc.chars, tokens=len(doc.ids))
         train.write(b"".join(ids.tobytes() for ids in to_train))
         val.write(b"".join(ids.tobytes() for ids in to_val))
-        progress(s["characters"] / 1e6)
-    return close_rows(train, args.seq_len), close_rows(val, args.seq_len), s
+        progress(stats["characters"] / 1e6)
+    return close_rows(train, args.seq_len), close_rows(val, args.seq_len), stats
 
 
 def write_data(args, tok, pool, fetcher, stop):
@@ -232,20 +247,20 @@ def write_data(args, tok, pool, fetcher, stop):
     if not tok:
         files = args.input or c4_shards(args.out, args.shards, fetcher, stop)
         tok = train_tokenizer(pool, files, args)
-    rank_file = os.path.join(args.out, "tokenizer.tiktoken")
+    rank_file = os.path.join(args.out, "tokenizer.tiktoken")  # each worker reads it once
     pathlib.Path(rank_file).write_text(tok["ranks"])
     files = args.input or c4_shards(args.out, args.shards, fetcher, stop)  # a pass of its own
-    train, val, s = pack(pool, files, dict(tok, ranks=None, file=rank_file), args)
-    if not s["documents"] and s["trash"]:
-        die(f"the trash filter dropped all {s['trash']:,} documents (at least {args.trash:g} "
-            f"tokens per character); raise --trash")
+    train, val, stats = pack(pool, files, rank_file, tok, args)
+    if not stats["documents"] and stats["trash"]:
+        die(f"the trash filter dropped all {stats['trash']:,} documents (at least "
+            f"{args.trash:g} tokens per character); raise --trash")
     if not train or not val:
         die(f"too little data for a train and a val row of {args.seq_len} tokens; give more text")
     meta = {"vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS), "seq_len": args.seq_len,
             "special_tokens": tok["special_tokens"], "pattern": tok["pattern"],
             "train": {"rows": train}, "val": {"rows": val}, "trash": args.trash,
-            "filters": {k: s[k] for k in ("bad_lines", "duplicates", "trash", "trash_chars")},
-            "documents": s["documents"], "characters": s["characters"], "tokens": s["tokens"],
+            "filters": {k: stats[k] for k in ("bad_lines", "duplicates", "trash", "trash_chars")},
+            **{k: stats[k] for k in ("documents", "characters", "tokens")},
             "sources": args.input or [C4_URL.format(i=i) for i in range(args.shards)]}
     with atomic(os.path.join(args.out, "meta.json"), "w") as f:  # the commit: now it is data
         json.dump(meta, f, indent=1)
@@ -273,19 +288,22 @@ def entry(main):
 
 class Progress:
     """The progress line of every long step, at most every 2 seconds, on stderr: 20 s in,
-    Progress("encode", 105, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'."""
+    Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'; counts
+    stay whole (1,030 rows). `extra`, a function, adds to a line that prints."""
 
     def __init__(self, what, total=0, unit=""):
-        self.what, self.total, self.unit, self.every = what, total, unit, 2.0
+        self.what, self.total, self.unit = what, total, unit
         self.t0 = self.last = time.time()
 
-    def __call__(self, done, extra="", force=False):
-        if force or time.time() - self.last >= self.every:
+    def __call__(self, done, extra=None, force=False):
+        if force or time.time() - self.last >= 2.0:
             self.last, rate = time.time(), done / max(time.time() - self.t0, 1e-9)
+            n = "{:,.1f}" if isinstance(done, float) else "{:,}"  # MB with a decimal, counts whole
             left = int((self.total - done) / max(rate, 1e-9))
-            eta = f"/{self.total:,.1f} {self.unit}, ETA {left // 60}:{left % 60:02d}"
-            print(f"{self.what}: {done:,.1f}{eta if self.total else ' ' + self.unit}, {rate:,.1f} "
-                  f"{self.unit}/s{extra}", file=sys.stderr, flush=True)
+            eta = f"/{n.format(self.total)} {self.unit}, ETA {left // 60}:{left % 60:02d}"
+            line = f"{self.what}: {n.format(done)}{eta if self.total else ' ' + self.unit}"
+            print(f"{line}, {rate:,.1f} {self.unit}/s{extra() if extra else ''}", file=sys.stderr,
+                  flush=True)
 
 
 @contextlib.contextmanager
@@ -304,10 +322,8 @@ def atomic(path, mode="wb"):
             os.remove(path + ".tmp")
         raise
     folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
+    os.fsync(folder)
+    os.close(folder)
 
 
 def read_prepared(folder):
