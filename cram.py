@@ -3,8 +3,7 @@
     python cram.py --time 86400                  # the paper's day, on data/ from prepare.py
     python cram.py --preset tiny --time 600      # the CPU demo (see the README)
     python cram.py --fill "the capital of france is [MASK]."    # ask the trained model
-    torchrun --nproc_per_node 8 cram.py ...      # several GPUs (DDP)
-"""
+    torchrun --nproc_per_node 8 cram.py ...      # several GPUs (DDP)"""
 import argparse, datetime, json, math, os, signal, time
 from dataclasses import asdict, dataclass
 
@@ -45,8 +44,7 @@ PRESETS = {
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
 PEAK_FLOPS = 989e12     # H100 SXM, dense bf16: MFU's denominator (A100: 312e12)
 SAVE_TIMEOUT = 3600     # seconds DDP ranks wait for rank 0 to save or evaluate (NCCL's: 600)
-RUN = ["layers", "width", "heads", "ffn", "alibi", "time", "steps", "micro_batch", "batch_size",
-       "lr", "seed"]    # what a run is: --resume takes them from the checkpoint
+RUN = [*PRESETS["crammed"], "time", "steps", "seed"]  # what a run is: --resume keeps its own
 STOP = []               # signals received: the loop saves and exits at the next step
 
 
@@ -147,8 +145,7 @@ class Crammed(nn.Module):
                 nn.init.normal_(m.weight, 0.0, INIT_STD)
 
     def forward(self, idx, attn_mask=None, positions=None, labels=None):
-        """Hidden states (B, T, width) of ids (B, T); given masked positions and their labels,
-        the masked-LM loss instead."""
+        """Hidden states (B, T, width) of ids (B, T), or given masks the masked-LM loss."""
         T = idx.size(1)
         x = self.emb(idx) + self.pos_scale * self.sinusoid[:T]  # (B, T, width)
         x = self.drop(self.emb_ln(x))
@@ -166,8 +163,7 @@ class Crammed(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
     def decode(self, hidden, positions):
-        """Sparse prediction: the tied decoder (the embedding matrix, transposed) runs only on
-        the masked positions (B, masked), a quarter of the tokens."""
+        """Sparse prediction: the tied decoder runs on the masked positions (B, masked) only."""
         x = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.size(-1)))
         return x @ self.emb.weight.T  # (B, masked, vocab)
 
@@ -202,8 +198,9 @@ def mask_rows(rows, specials, gen):
 
 
 def masked(rows, specials, seed, device):
-    """The model's inputs: rows masked on the CPU as a pure function of a seed, then moved to the
-    device; pinned memory lets the copy overlap the GPU's work on the previous micro-batch."""
+    """The model's inputs: rows (numpy) masked on the CPU as a pure function of a seed, then moved
+    to the device; pinned memory lets the copy overlap the GPU's work on the last micro-batch."""
+    rows = torch.from_numpy(rows.astype(np.int64))
     out = mask_rows(rows, specials, torch.Generator().manual_seed(seed & (2 ** 63 - 1)))
     if device.type == "cuda":
         out = [t.pin_memory().to(device, non_blocking=True) for t in out]
@@ -224,9 +221,8 @@ def ramp(x, batch_size, micro):
 
 
 class Batches:
-    """Rows in a seeded, uniformly random order, a new permutation every epoch (v2 orders them by
-    a sentence-length curriculum instead); (epoch, pos) is all the state there is, so a resumed
-    run reads the same rows. Each rank reads its own slice."""
+    """Rows in a seeded uniform order, a new permutation every epoch (v2: a sentence-length
+    curriculum); (epoch, pos) is all the state, so a resume reads the same rows; ranks: a slice."""
 
     def __init__(self, rows, micro, seed, rank=0, world=1, epoch=0, pos=0):
         self.rows, self.micro, self.seed, self.rank, self.world = rows, micro, seed, rank, world
@@ -241,8 +237,7 @@ class Batches:
             self.order_epoch = self.epoch
         start = self.pos + self.rank * self.micro
         self.pos += self.micro * self.world
-        picked = np.sort(self.order[start:start + self.micro])  # sorted: reads go forward
-        return torch.from_numpy(self.rows[picked].astype(np.int64))
+        return self.rows[np.sort(self.order[start:start + self.micro])]  # sorted: reads go forward
 
 
 @torch.no_grad()
@@ -251,15 +246,13 @@ def evaluate(model, rows, specials, micro, device):
     seed EVAL_SEED + i alone, so its mask does not depend on the batching: evaluations compare."""
     model.eval()
     loss, right, count, progress = 0.0, 0, 0, Progress("evaluate", len(rows), "rows")
-    per_row = [mask_rows(torch.from_numpy(row[None].astype(np.int64)), specials,
-                         torch.Generator().manual_seed(EVAL_SEED + i))
-               for i, row in enumerate(rows)]
-    idx, positions, targets = (torch.cat(t) for t in zip(*per_row))  # each (rows, ...)
+    per_row = [masked(row[None], specials, EVAL_SEED + i, device) for i, row in enumerate(rows)]
+    inputs = {k: torch.cat([r[k] for r in per_row]) for k in per_row[0]}  # each (rows, ...)
     for i in range(0, len(rows), micro):
         with autocast(device):
-            hidden = model(idx[i:i + micro].to(device))  # (B, T, width)
-            logits = model.decode(hidden, positions[i:i + micro].to(device))  # (B, masked, V)
-        labels = targets[i:i + micro].to(device)
+            hidden = model(inputs["idx"][i:i + micro])  # (B, T, width)
+            logits = model.decode(hidden, inputs["positions"][i:i + micro])  # (B, masked, V)
+        labels = inputs["labels"][i:i + micro]
         keep = labels != -100
         loss += F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum").item()
         right += (logits.argmax(-1) == labels)[keep].sum().item()
@@ -295,15 +288,14 @@ def build(c, args, device, world=1):
     return model, raw, opt
 
 
-LINE = {"step": "step {}", "tokens": "{:,} tok", "loss": "loss {:.4f}", "lr": "lr {:.2e}",
-        "batch": "batch {}", "tok_s": "{:,} tok/s", "mfu": "mfu {:.1%}",
+LINE = {"step": "step {}", "tokens": "{:,} tok", "loss": "loss {:.4f}", "lr": "lr {:.2e}",  # how
+        "batch": "batch {}", "tok_s": "{:,} tok/s", "mfu": "mfu {:.1%}",  # a record prints
         "elapsed": "{:,.0f}s elapsed", "left": "{:,.0f}s left", "val_loss": "val loss {:.4f}",
-        "val_acc": "accuracy {:.1%}"}  # how log.jsonl's records print
+        "val_acc": "accuracy {:.1%}"}
 
 
 class Trainer:
-    """One pretraining run. `self.state` with the weights, the optimizer and the RNG is what a
-    checkpoint holds, so --resume continues exactly."""
+    """One run. A checkpoint holds `state`, the weights, the optimizer, the RNG: resume is exact."""
 
     def __init__(self, args, rank, world, device):
         self.args, self.rank, self.world, self.device = args, rank, world, device
@@ -319,15 +311,14 @@ class Trainer:
         self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
                              args.heads, args.ffn, alibi=args.alibi)
         self.model, self.raw, self.opt = build(self.c, args, device, world)
-        self.state = dict(step=0, seqs=0, elapsed=0.0, data=[0, 0])  # data: epoch, position
+        self.state = state = dict(step=0, seqs=0, elapsed=0.0, data=[0, 0])  # data: epoch, pos
         if ckpt:
             self.raw.load_state_dict(ckpt["model"])
             self.opt.load_state_dict(ckpt["optimizer"])
             torch.set_rng_state(ckpt["rng"])
-            self.state = {k: ckpt[k] for k in self.state}
-        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world,
-                            *self.state["data"])
-        self.val, self.specials = rows["val"], self.tok["special_tokens"]
+            state.update({k: ckpt[k] for k in state})
+        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *state["data"])
+        self.val, self.specials = rows["val"][:args.eval_rows], self.tok["special_tokens"]
         if rank == 0:  # a new run replaces the log of one that died before its first checkpoint
             self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if ckpt else "w")
         n = sum(p.numel() for p in self.raw.parameters())
@@ -341,8 +332,8 @@ class Trainer:
                      "24 M a day, 1/200 of the paper's GPU); the README's CPU demo learns in "
                      "minutes: --preset tiny on data prepared with --vocab-size 2048")
         if ckpt:
-            run = {k: v for k, v in vars(args).items() if k in RUN}
-            self.log(f"resumed at step {self.state['step']} with the run's own settings {run}")
+            run = {k: ckpt["args"][k] for k in RUN}
+            self.log(f"resumed at step {state['step']} with the run's own settings {run}")
 
     def log(self, line="", **record):
         """A line, or a record: printed as one ('step 3 | loss 4.5000 | ...'), kept in log.jsonl."""
@@ -354,8 +345,7 @@ class Trainer:
                 self.logf.flush()
 
     def train(self):
-        """The loop: the clock, a step, and each on its own clock a log line, a validation and a
-        checkpoint; at the end a checkpoint and a validation. Returns the trained model."""
+        """The loop: the clock, a step, and on their own clocks a log line, validation, a save."""
         a, s, T = self.args, self.state, self.c.seq_len
         t_start = time.time() - s["elapsed"]  # a resumed run goes on from its own elapsed time
         t_log = t_eval = t_save = time.time()
@@ -427,9 +417,8 @@ class Trainer:
 
     def validate(self):
         """Held-out masked-LM loss and accuracy on val.bin, logged."""
-        loss, acc = evaluate(self.raw, self.val[:self.args.eval_rows], self.specials,
-                             self.args.micro_batch, self.device)
         s = self.state
+        loss, acc = evaluate(self.raw, self.val, self.specials, self.args.micro_batch, self.device)
         self.log(step=s["step"], seqs=s["seqs"], tokens=s["seqs"] * self.c.seq_len,
                  elapsed=round(s["elapsed"], 1), val_loss=loss, val_acc=acc)
 
@@ -461,21 +450,18 @@ def encode_masked(text, enc):
 @torch.no_grad()
 def fill(args, device):
     """--fill: the checkpoint's top 5 tokens, with probabilities, for each [MASK] of each text."""
-    ckpt = load_checkpoint(args.ckpt)
-    model = load_model(ckpt).to(device).eval()
-    specials = ckpt["tokenizer"]["special_tokens"]
-    enc, mask_id = load_tokenizer(ckpt["tokenizer"]), specials["[MASK]"]
-    answers = []
+    ckpt, answers = load_checkpoint(args.ckpt), []
+    model, enc = load_model(ckpt).to(device).eval(), load_tokenizer(ckpt["tokenizer"])
+    specials, T = ckpt["tokenizer"]["special_tokens"], model.config.seq_len
     for text in args.fill:
-        ids = encode_masked(text, enc)[:model.config.seq_len]
-        positions = [i for i, t in enumerate(ids) if t == mask_id]
-        if not positions:
-            die(f"--fill {text!r}: no [MASK] in its first {model.config.seq_len} tokens")
-        hidden = model(torch.tensor([ids], device=device))
-        logits = model.decode(hidden, torch.tensor([positions], device=device))[0]
+        ids = torch.tensor([encode_masked(text, enc)[:T]], device=device)  # (1, T)
+        positions = (ids == specials["[MASK]"]).nonzero()[:, 1][None]  # (1, masks)
+        if not positions.numel():
+            die(f"--fill {text!r}: no [MASK] in its first {T} tokens")
+        logits = model.decode(model(ids), positions)[0]  # (masks, vocab)
         logits[:, min(specials.values()):] = -float("inf")  # specials come last: never a guess
         print(text)
-        for k, p in enumerate(logits.softmax(-1)):  # (masks, vocab)
+        for k, p in enumerate(logits.softmax(-1)):
             top = [(enc.decode([int(t)]).strip(), float(v)) for v, t in zip(*p.topk(5))]
             answers.append(top)
             print(f"  [MASK] {k + 1}: " + ", ".join(f"{w!r} {v:.3f}" for w, v in top), flush=True)

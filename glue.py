@@ -26,7 +26,6 @@ DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretrainin
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
 SETTING = ["epochs", "lr", "batch_size", "max_train_samples", "trials"]  # results that compare
-# Examples are cut to the checkpoint's row length, seq_len (128 in the recipe): no flag for it.
 
 Task = namedtuple("Task", "zip a b label labels")  # columns of the texts and the label
 TASKS = {"CoLA": Task("CoLA", "sentence", None, "label", ["0", "1"]),  # b None: one sentence
@@ -43,20 +42,19 @@ COLA_HEADER = ["source", "label", "original_label", "sentence"]  # CoLA's files 
 DEV = {"MNLI": {"MNLI-m": "dev_matched.tsv", "MNLI-mm": "dev_mismatched.tsv"}}  # others: dev.tsv
 METRICS = {"CoLA": ["mcc"], "STS-B": ["pearson"], "MRPC": ["f1", "accuracy"],
            "QQP": ["f1", "accuracy"]}  # the paper's first; the other tasks: accuracy
-# The paper's table in its column order; the GLUE score is the mean of these nine numbers.
 COLUMNS = ["MNLI-m", "MNLI-mm", "SST-2", "STS-B", "RTE", "QNLI", "QQP", "MRPC", "CoLA"]
-REFERENCE = {"BERT-base, fully trained": [83.2, 83.4, 91.9, 86.7, 59.2, 90.6, 87.7, 89.3, 56.5],
-             "BERT-base, no pretraining": [34.1, 34.1, 79.9, 17.8, 47.3, 50.0, 68.6, 77.9, 0.0],
-             "crammed BERT v1 (A6000, 24h)": [83.9, 84.1, 92.2, 84.6, 53.8, 89.5, 87.3, 87.5, 44.5],
-             "crammed BERT v2 (best of 5)": [84.1, 84.6, 92.0, 87.4, 58.5, 90.2, 87.5, 88.9, 53.3]}
+REFERENCE = {  # the paper's rows, each with its GLUE score last
+    "BERT-base, fully trained": [83.2, 83.4, 91.9, 86.7, 59.2, 90.6, 87.7, 89.3, 56.5, 80.9],
+    "BERT-base, no pretraining": [34.1, 34.1, 79.9, 17.8, 47.3, 50.0, 68.6, 77.9, 0.0, 45.5],
+    "crammed BERT v1 (A6000, 24h)": [83.9, 84.1, 92.2, 84.6, 53.8, 89.5, 87.3, 87.5, 44.5, 78.6],
+    "crammed BERT v2 (best of 5)": [84.1, 84.6, 92.0, 87.4, 58.5, 90.2, 87.5, 88.9, 53.3, 80.7]}
 
 
 # ----------------------------------------------------------------------------- the examples
 def read_tsv(path, task):
     """[(text a, text b or None, label)] from a GLUE tsv file: tab separated, no quoting, lines
     split at \\n only (a stray \\r inside a text stays), MRPC's BOM dropped."""
-    t = TASKS[task]
-    lines = pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
+    t, lines = TASKS[task], pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
     header, rows = (COLA_HEADER if task == "CoLA" else None), []
     for n, line in enumerate(lines, 1):
         fields = line.rstrip("\r").split("\t")
@@ -91,7 +89,8 @@ def truncate(a, b, room):
 
 
 def encode(enc, specials, rows, seq_len):
-    """`[CLS] a [SEP] b [SEP]` (or `[CLS] a [SEP]`) rows padded to seq_len, and the labels."""
+    """`[CLS] a [SEP] b [SEP]` (or `[CLS] a [SEP]`) rows padded to seq_len, and the labels. The
+    recipe's max length is the checkpoint's row length, seq_len (128): no flag for it."""
     cls, sep = specials["[CLS]"], specials["[SEP]"]
     a = enc.encode_ordinary_batch([normalize(r[0]) for r in rows])
     b = enc.encode_ordinary_batch([normalize(r[1] or "") for r in rows])
@@ -244,8 +243,8 @@ def read_task(task, glue_dir):
 
 
 def save_results(path, mine, run):
-    """glue.json with this run's dev splits merged in: a rerun of a task replaces that task. The
-    average is of the splits whose `run` (checkpoint and setting) is this run's: -> (data, them)."""
+    """glue.json with this run's splits merged in (a rerun replaces a task's) and averaged with the
+    splits of the same `run` (checkpoint and setting): -> (glue.json's data, those splits)."""
     data = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else {}
     data.setdefault("results", {}).update(mine)
     same = {split: r for split, r in data["results"].items() if r.get("run") == run}
@@ -286,9 +285,8 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = os.path.join(os.path.dirname(args.ckpt),
                        "glue-random-init.json" if args.random_init else "glue.json")
-    mine = {}  # this run's finished dev splits
-    run = {"checkpoint": {"step": ckpt.get("step"), "elapsed": ckpt.get("elapsed")},
-           "setting": {k: vars(args)[k] for k in SETTING}}  # what an average may mix
+    mine, run = {}, {"checkpoint": {"step": ckpt.get("step"), "elapsed": ckpt.get("elapsed")},
+                     "setting": {k: vars(args)[k] for k in SETTING}}  # done; what averages mix
     data = {t: read_task(t, args.glue_dir) for t in args.tasks}  # all files read, then training
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
     for task, rows in data.items():
@@ -307,10 +305,9 @@ def main(argv=None):
     if other:
         print(f"{out}: left out {', '.join(other)}: another checkpoint or setting than this run's")
     ours = "random init" if args.random_init else os.path.basename(args.ckpt)
-    table = {ours: [numbers.get(s) for s in COLUMNS] + [avg]}
-    table.update({label: v + [np.mean(v)] for label, v in REFERENCE.items()})
+    table = {ours: [numbers.get(s) for s in COLUMNS] + [avg], **REFERENCE}
     print(f"\nours: the median of {args.trials} trial(s) per task; the paper's: of 5 (--trials 5)")
-    print(f"{'model':29s}" + "".join(f"{s:>8s}" for s in COLUMNS) + "    GLUE")
+    print(f"{'model':29s}" + "".join(f"{s:>8s}" for s in [*COLUMNS, "GLUE"]))
     for label, values in table.items():
         print(f"{label:29s}" + "".join("       -" if v is None else f"{v:8.1f}" for v in values))
     print(f"wrote {out}")

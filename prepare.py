@@ -5,8 +5,7 @@
     python prepare.py --input more.txt --tokenizer data --out heldout   # reuse a vocabulary
 
 The folder gets train.bin and val.bin (uint16 token ids, rows of --seq-len), tokenizer.tiktoken
-and, written last, meta.json: a folder without meta.json is not data.
-"""
+and, written last, meta.json: a folder without meta.json is not data."""
 import argparse, base64, contextlib, functools, gzip, hashlib, heapq, itertools, json
 import mmap, multiprocessing, os, pathlib, re, signal, sys, threading, time, unicodedata, zlib
 from collections import Counter, defaultdict, deque, namedtuple
@@ -45,8 +44,7 @@ def normalize(text):
 
 # ----------------------------------------------------------------------------- reading, in workers
 def records(f, is_json):
-    """An open file's records, as bytes: each line of a .json* file; each paragraph of a .txt
-    file, its lines up to a blank one joined by spaces."""
+    """A file's records, as bytes: each line of a .json* file, each paragraph of a .txt file."""
     lines = (line.strip() for line in f)
     if is_json:
         return (line for line in lines if line)
@@ -74,14 +72,13 @@ def jobs(files):
 
 def texts(job):
     """Each record's normalised text, or None for a bad record (broken JSON or UTF-8, no text)."""
-    is_json, records = job
-    for raw in records:
+    is_json, raws = job
+    for raw in raws:
         try:
-            doc = json.loads(raw) if is_json else {"text": raw.decode("utf-8")}
-        except ValueError:
-            doc = None
-        text = doc.get("text") if isinstance(doc, dict) else None
-        yield (normalize(text) if isinstance(text, str) else "") or None
+            text = json.loads(raw).get("text") if is_json else raw.decode("utf-8")
+        except (ValueError, AttributeError):  # AttributeError: JSON that is not an object
+            text = None
+        yield (normalize(text) or None) if isinstance(text, str) else None
 
 
 def count_chunks(job):
@@ -126,13 +123,12 @@ def in_order(pool, fn, extra, files, workers):
 # ----------------------------------------------------------------------------- the tokenizer
 def train_bpe(counts, n_vocab):
     """Byte-level BPE: merge the most frequent pair of adjacent tokens into a new token, again
-    and again; ties go to the smaller pair. A chunk (a word) is a str of one character per
-    token, chr(id), so that a merge is one str.replace. counts={' cat': 3, ' hat': 2}: words
-    [' cat', ' hat'], pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha' 2; 'at' becomes chr(256) ->
-    [' c\u0100', ' h\u0100'], vocab[256] = b'at', and 'c\u0100' 3, 'h\u0100' 2 are new pairs.
-    The invariant after every merge: pairs[q] is the count of pair q in the words, weighted by
-    their frequencies; where[q] holds every word that contains q (and some that no longer do);
-    the heap holds (-pairs[q], q) for every q, beside stale entries of older counts."""
+    and again (ties: the smaller pair). A word is a str of a char per token, chr(id), so that a
+    merge is a str.replace: {' cat': 3, ' hat': 2} has pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha'
+    2; 'at' becomes chr(256): [' c\u0100', ' h\u0100'], vocab[256] = b'at', new pairs 'c\u0100' 3,
+    'h\u0100' 2. The invariant after each merge: pairs[q] is the count of q in the words times
+    their frequencies; where[q] holds every word with q (and some that had it); the heap holds
+    (-pairs[q], q) for every q, beside stale entries of older counts."""
     words, freq = ["".join(map(chr, w.encode())) for w in counts], list(counts.values())
     pairs, where = defaultdict(int), defaultdict(set)
     for i, w in enumerate(words):
@@ -205,8 +201,7 @@ def close_rows(f, seq_len):
     """Cut a file of token ids to whole rows of seq_len (the last, partial row is dropped) and
     put it on the disk before meta.json names it; -> the number of rows."""
     rows = f.tell() // (2 * seq_len)
-    f.truncate(rows * seq_len * 2)
-    f.flush()
+    f.truncate(rows * seq_len * 2)  # flushes first
     os.fsync(f.fileno())
     f.close()
     return rows
@@ -308,9 +303,8 @@ class Progress:
 
 @contextlib.contextmanager
 def atomic(path, mode="wb"):
-    """Write path.tmp, sync it to the disk, rename it to path, sync the folder (so that the
-    rename survives a power cut): a reader finds the old file or all of the new one, never a
-    half-written file. A failed write removes its path.tmp."""
+    """Write path.tmp, sync it, rename it to path, sync the folder: a reader, even after a power
+    cut, finds the old file or all of the new one, never half; a failed write removes path.tmp."""
     try:
         with open(path + ".tmp", mode) as f:
             yield f
@@ -327,8 +321,7 @@ def atomic(path, mode="wb"):
 
 
 def read_prepared(folder):
-    """(meta, tokenizer dict, {"train", "val": memmapped rows}): the one reader of a prepared
-    folder. A missing or damaged file is one line naming it."""
+    """The one reader of a prepared folder: (meta, tokenizer, {split: memmapped rows})."""
     path = os.path.join(folder, "meta.json")
     if not os.path.isfile(path):
         die(f"{folder}: no prepared data (no meta.json); run prepare.py --out {folder}")
