@@ -558,6 +558,24 @@ def test_budget_is_respected(tmp_path, data):
     assert elapsed >= 3.0 and round(elapsed, 1) == log[-1]["elapsed"] <= steps[-1]["elapsed"] + 0.1
 
 
+def test_what_a_newcomer_reads(tmp_path, data, capsys, monkeypatch):
+    cram.main(["--data", data, "--out", str(tmp_path / "a"), "--time", "1", *TINY])  # a line a step
+    out = capsys.readouterr().out
+    assert "step 1 | 256 tok | loss" in out and "CPU demo" not in out  # 8 rows of 32: a small number reads as one
+    steps = [r for r in records(str(tmp_path / "a")) if "left" in r]
+    assert steps[-1]["elapsed"] >= 0.95 and all(r["left"] >= 0 for r in steps)  # at the end: 0 left
+    progress = prepare.Progress("evaluate", 1030, "rows")
+    progress(128, force=True)
+    assert capsys.readouterr().err.startswith("evaluate: 128/1,030 rows, ETA ")  # counts whole
+    prepare.Progress("encode", 105.0, "MB")(52.5, force=True)
+    assert capsys.readouterr().err.startswith("encode: 52.5/105.0 MB, ETA ")  # sizes keep a decimal
+    big = tmp_path / "big"  # data of the paper's row length: the paper's model on a CPU is said to be slow
+    prep(str(tmp_path), make_docs(200), "--seq-len", "128", name="big")
+    monkeypatch.setattr(cram.Trainer, "train", lambda self: None)
+    cram.main(["--data", str(big), "--out", str(tmp_path / "b"), "--device", "cpu"])
+    assert "the README's CPU demo learns in minutes: --preset tiny" in capsys.readouterr().out
+
+
 def test_a_run_of_steps_reports_its_own_time(tmp_path, data, capsys):
     cram.main(["--data", data, "--out", str(tmp_path), "--steps", "5", "--time", "0.001", *TINY])
     ckpt, last = cram.load_checkpoint(str(tmp_path / "ckpt.pt")), records(str(tmp_path))[-1]
