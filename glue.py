@@ -3,13 +3,10 @@
     python glue.py --ckpt out/ckpt.pt                       # the eight tasks of the paper
     python glue.py --ckpt out/ckpt.pt --tasks RTE,MRPC --trials 5
     python glue.py --ckpt out/ckpt.pt --random-init         # the "no pretraining" row"""
-import argparse, json, math, os, pathlib, zipfile
-from collections import namedtuple
+import argparse, collections, json, math, os, pathlib, zipfile
 
 import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+import torch, torch.nn as nn, torch.nn.functional as F
 
 from prepare import Progress, atomic, die, download, entry, load_tokenizer, normalize
 from cram import Crammed, autocast, load_checkpoint, load_model
@@ -19,15 +16,14 @@ LR = 4e-5            # peak AdamW learning rate
 BATCH_SIZE = 16      # examples per optimizer step
 EPOCHS = 5           # the challenge allows at most 5, one recipe for every task
 WARMUP = 0.1         # linear warm-up over this fraction of the steps, then cosine decay to zero
-BETAS = (0.9, 0.98)  # AdamW betas, as in pretraining
-EPS = 1e-6           # AdamW epsilon
+BETAS, EPS = (0.9, 0.98), 1e-6  # AdamW's betas, as in pretraining, and its epsilon
 WEIGHT_DECAY = 0.0   # none: five short epochs from a pretrained start
 DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretraining has none)
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
 SETTING = ["epochs", "lr", "batch_size", "max_train_samples", "trials"]  # results that compare
 
-Task = namedtuple("Task", "zip a b label labels")  # columns of the texts and the label
+Task = collections.namedtuple("Task", "zip a b label labels")  # columns of the texts and the label
 TASKS = {"CoLA": Task("CoLA", "sentence", None, "label", ["0", "1"]),  # b None: one sentence
          "SST-2": Task("SST-2", "sentence", None, "label", ["0", "1"]),
          "MRPC": Task(None, "#1 String", "#2 String", "Quality", ["0", "1"]),  # built, not a zip
@@ -54,22 +50,20 @@ REFERENCE = {  # the paper's rows, each with its GLUE score last
 def read_tsv(path, task):
     """[(text a, text b or None, label)] from a GLUE tsv file: tab separated, no quoting, lines
     split at \\n only (a stray \\r inside a text stays), MRPC's BOM dropped."""
-    t, lines = TASKS[task], pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
-    header, rows = (COLA_HEADER if task == "CoLA" else None), []
+    t, rows = TASKS[task], []
+    lines = pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
+    header = COLA_HEADER if task == "CoLA" else lines[0].rstrip("\r").split("\t")
     for n, line in enumerate(lines, 1):
         fields = line.rstrip("\r").split("\t")
-        if header is None:
-            header = fields
-        elif fields != [""]:  # not a blank line
+        if fields != [""] and (n > 1 or task == "CoLA"):  # not a blank line, nor the header
             row = dict(zip(header, fields))
             y = row.get(t.label)  # None in a short row, or in the file of another task
             try:
                 rows.append((row[t.a], row[t.b] if t.b else None,
                              float(y) if t.labels is None else t.labels.index(y)))
             except (KeyError, TypeError, ValueError):
-                wanted = "a number" if t.labels is None else "one of " + ", ".join(t.labels)
-                die(f"{path}:{n}: label {y!r} (column {t.label!r}) is not {wanted}; "
-                    f"is this {task}?")
+                want = "a number" if t.labels is None else "one of " + ", ".join(t.labels)
+                die(f"{path}:{n}: label {y!r} (column {t.label!r}) is not {want}; is this {task}?")
     return rows
 
 
@@ -154,13 +148,11 @@ def finetune(ckpt, task, train, devs, args, trial, device):
         done = min((step + 1) * args.batch_size, len(order))  # .item() waits: only when printed
         progress(done, lambda: f" | loss {loss.item():.4f}", force=step + 1 == steps)
     model.eval()
-    results = {}
-    with torch.no_grad(), autocast(device):
-        for split, (ids, ys) in devs.items():
-            out = torch.cat([model(x.to(device)).cpu() for x in ids.split(128)])
-            pred = out[:, 0] if labels is None else out.argmax(-1)
-            results[split] = score(task, pred.numpy(), ys.numpy())
-    return results
+    with torch.no_grad(), autocast(device):  # each dev split, 128 rows at a time
+        outs = {split: torch.cat([model(x.to(device)).cpu() for x in ids.split(128)])
+                for split, (ids, _) in devs.items()}
+    preds = {split: out[:, 0] if labels is None else out.argmax(-1) for split, out in outs.items()}
+    return {split: score(task, preds[split].numpy(), ys.numpy()) for split, (_, ys) in devs.items()}
 
 
 # ----------------------------------------------------------------------------- the metrics
@@ -175,8 +167,7 @@ def f1(p, y):
 
 
 def pearson(p, y):
-    p = np.asarray(p, np.float64) - np.mean(p)
-    y = np.asarray(y, np.float64) - np.mean(y)
+    p, y = [np.asarray(v, np.float64) - np.mean(v) for v in (p, y)]  # centred
     d = math.sqrt(np.sum(p * p) * np.sum(y * y))
     return float(np.sum(p * y) / d) if d else 0.0  # a constant: no correlation, not nan
 
@@ -206,18 +197,15 @@ MRPC_DEV_IDS_URL = ("https://firebasestorage.googleapis.com/v0/b/mtl-sentence-re
 
 def build_mrpc(folder):
     """GLUE builds MRPC itself: SentEval's train file split by the dev id pairs, in bytes."""
-    src = download(MRPC_URL, os.path.join(folder, "msr_paraphrase_train.txt"))
+    with open(download(MRPC_URL, os.path.join(folder, "msr_paraphrase_train.txt")), "rb") as f:
+        header = f.readline().rstrip(b"\r\n")  # it keeps its BOM, as in GLUE's files
+        rows = [line.strip().split(b"\t") for line in f]  # quality, #1 id, #2 id, #1 and #2 string
     with open(download(MRPC_DEV_IDS_URL, os.path.join(folder, "mrpc_dev_ids.tsv")), "rb") as f:
         dev_ids = {tuple(line.split()) for line in f}
-    with open(src, "rb") as f:  # the header keeps its BOM, as in GLUE's files
-        header = f.readline().rstrip(b"\r\n")
-        out = {"train.tsv": [header], "dev.tsv": [header]}
-        for line in f:  # quality, #1 id, #2 id, #1 string, #2 string
-            row = line.strip().split(b"\t")
-            out["dev.tsv" if tuple(row[1:3]) in dev_ids else "train.tsv"].append(b"\t".join(row))
-    for name, lines in out.items():
+    for name, in_dev in [("train.tsv", False), ("dev.tsv", True)]:
+        lines = [b"\t".join(r) for r in rows if (tuple(r[1:3]) in dev_ids) == in_dev]
         with atomic(os.path.join(folder, name)) as f:
-            f.write(b"\n".join(lines) + b"\n")
+            f.write(b"\n".join([header] + lines) + b"\n")
 
 
 def read_task(task, glue_dir):
@@ -230,8 +218,7 @@ def read_task(task, glue_dir):
     elif missing:
         zpath = download(GLUE_URL.format(TASKS[task].zip), os.path.join(folder, task + ".zip"))
         try:
-            with zipfile.ZipFile(zpath) as z:
-                # the task's own files lie at TASK/name: RTE/train.tsv, not RTE/original/train.tsv
+            with zipfile.ZipFile(zpath) as z:  # take RTE/train.tsv, not RTE/original/train.tsv
                 found = {os.path.basename(m): m for m in z.namelist() if m.count("/") == 1}
                 for name in files.values():
                     with atomic(os.path.join(folder, name)) as f:
@@ -289,13 +276,12 @@ def main(argv=None):
                      "setting": {k: vars(args)[k] for k in SETTING}}  # done; what averages mix
     data = {t: read_task(t, args.glue_dir) for t in args.tasks}  # all files read, then training
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
-    for task, rows in data.items():
-        rows["train"] = rows["train"][:args.max_train_samples]  # None: all of them
-        splits = {s: encode(enc, specials, r, ckpt["model_config"]["seq_len"])
-                  for s, r in rows.items()}
-        train = splits.pop("train")
-        runs = [finetune(ckpt, task, train, splits, args, k, device) for k in range(args.trials)]
-        for split in splits:  # the median of each metric, then the trials and the settings
+    seq_len = ckpt["model_config"]["seq_len"]
+    for task, rows in data.items():  # --max-train-samples None: all the training examples
+        train = encode(enc, specials, rows.pop("train")[:args.max_train_samples], seq_len)
+        devs = {s: encode(enc, specials, r, seq_len) for s, r in rows.items()}
+        runs = [finetune(ckpt, task, train, devs, args, k, device) for k in range(args.trials)]
+        for split in devs:  # the median of each metric, then the trials and the settings
             trials = [r[split] for r in runs]
             mine[split] = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}
             mine[split].update(trials=trials, settings=vars(args), run=run)

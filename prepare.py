@@ -11,8 +11,7 @@ import mmap, multiprocessing, os, pathlib, re, signal, sys, threading, time, uni
 from collections import Counter, defaultdict, deque, namedtuple
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-import requests, tiktoken
+import numpy as np, requests, tiktoken
 
 # ----------------------------------------------------------------------------- the recipe
 VOCAB_SIZE = 32768  # the paper's vocabulary, special tokens included
@@ -31,14 +30,10 @@ RETRIES, BACKOFF = 5, 2.0  # download attempts and the first wait (s), doubling:
 
 
 # ----------------------------------------------------------------------------- cleaning
-NON_ASCII = re.compile(r"[^\x00-\x7f]+")
-
-
 def normalize(text):
-    """v2's cleaning: NFD splits accents off their letters, then every non-ASCII character goes
-    (the accents, curly quotes, dashes and emoji alike), lowercase, whitespace collapsed.
-    'Café — NAÏVE\\n' -> 'cafe naive'."""
-    text = NON_ASCII.sub("", unicodedata.normalize("NFD", text))
+    """v2's cleaning: NFD splits off accents, then all non-ASCII goes (accents, curly quotes,
+    dashes, emoji), lowercase, whitespace collapsed: 'Café — NAÏVE\\n' -> 'cafe naive'."""
+    text = unicodedata.normalize("NFD", text).encode("ascii", "ignore").decode()
     return " ".join(text.lower().split())
 
 
@@ -52,8 +47,7 @@ def records(f, is_json):
 
 
 def jobs(files):
-    """(is_json, records) of about JOB_BYTES each, a worker's job; a job never spans two files,
-    so jobs are the same for any number of workers."""
+    """Jobs of (is_json, records), ~JOB_BYTES of one file each: the same for any worker count."""
     for path in files:
         is_json, job, size = ".json" in os.path.basename(path), [], 0
         with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
@@ -122,13 +116,12 @@ def in_order(pool, fn, extra, files, workers):
 
 # ----------------------------------------------------------------------------- the tokenizer
 def train_bpe(counts, n_vocab):
-    """Byte-level BPE: merge the most frequent pair of adjacent tokens into a new token, again
-    and again (ties: the smaller pair). A word is a str of a char per token, chr(id), so that a
-    merge is a str.replace: {' cat': 3, ' hat': 2} has pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha'
-    2; 'at' becomes chr(256): [' c\u0100', ' h\u0100'], vocab[256] = b'at', new pairs 'c\u0100' 3,
-    'h\u0100' 2. The invariant after each merge: pairs[q] is the count of q in the words times
-    their frequencies; where[q] holds every word with q (and some that had it); the heap holds
-    (-pairs[q], q) for every q, beside stale entries of older counts."""
+    """Byte-level BPE: merge the most frequent adjacent pair into a new token (ties: the smaller
+    pair), again and again. A word is a str, a chr(id) per token, so a merge is a str.replace:
+    {' cat': 3, ' hat': 2} has pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha' 2; 'at' becomes
+    chr(256): [' c\u0100', ' h\u0100'], vocab[256] = b'at', new pairs 'c\u0100' 3, 'h\u0100' 2.
+    After each merge: pairs[q] counts q in the words times their frequencies; where[q] has every
+    word with q (and some that had it); the heap has (-pairs[q], q) for every q, and stale ones."""
     words, freq = ["".join(map(chr, w.encode())) for w in counts], list(counts.values())
     pairs, where = defaultdict(int), defaultdict(set)
     for i, w in enumerate(words):
@@ -180,8 +173,7 @@ def load_tokenizer(tok):
 
 def train_tokenizer(pool, files, args):
     """A BPE of --vocab-size tokens from the first --sample-mb of text, in whole jobs."""
-    counts, chars = Counter(), 0
-    progress = Progress("tokenizer sample", args.sample_mb, "MB")
+    counts, chars, progress = Counter(), 0, Progress("tokenizer sample", args.sample_mb, "MB")
     for part, n in in_order(pool, count_chunks, (), files, args.workers):
         counts.update(part)
         chars += n
@@ -198,8 +190,7 @@ def train_tokenizer(pool, files, args):
 
 # ----------------------------------------------------------------------------- packing
 def close_rows(f, seq_len):
-    """Cut a file of token ids to whole rows of seq_len (the last, partial row is dropped) and
-    put it on the disk before meta.json names it; -> the number of rows."""
+    """Cut token ids to whole rows of seq_len, on the disk before meta.json names them; -> rows."""
     rows = f.tell() // (2 * seq_len)
     f.truncate(rows * seq_len * 2)  # flushes first
     os.fsync(f.fileno())
@@ -239,13 +230,11 @@ def pack(pool, files, rank_file, tok, args):
 
 def write_data(args, tok, pool, fetcher, stop):
     """The tokenizer (trained here, or `tok` reused), the packed rows, and then meta.json."""
-    if not tok:
-        files = args.input or c4_shards(args.out, args.shards, fetcher, stop)
-        tok = train_tokenizer(pool, files, args)
+    c4_pass = functools.partial(c4_shards, args.out, args.shards, fetcher, stop)  # a pass per call
+    tok = tok or train_tokenizer(pool, args.input or c4_pass(), args)
     rank_file = os.path.join(args.out, "tokenizer.tiktoken")  # each worker reads it once
     pathlib.Path(rank_file).write_text(tok["ranks"])
-    files = args.input or c4_shards(args.out, args.shards, fetcher, stop)  # a pass of its own
-    train, val, stats = pack(pool, files, rank_file, tok, args)
+    train, val, stats = pack(pool, args.input or c4_pass(), rank_file, tok, args)
     if not stats["documents"] and stats["trash"]:
         die(f"the trash filter dropped all {stats['trash']:,} documents (at least "
             f"{args.trash:g} tokens per character); raise --trash")
@@ -336,8 +325,7 @@ def read_prepared(folder):
             path = os.path.join(folder, f"{split}.bin")
             with open(path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            # training reads random rows: no read-ahead, 6x faster from a cold disk (README)
-            mm.madvise(mmap.MADV_RANDOM)
+            mm.madvise(mmap.MADV_RANDOM)  # random rows: no read-ahead, 6x faster cold (README)
             rows[split] = np.frombuffer(mm, np.uint16).reshape(-1, meta["seq_len"])
             if len(rows[split]) != meta[split]["rows"]:
                 raise ValueError(f"{len(rows[split])} rows, meta.json says {meta[split]['rows']}")
@@ -366,6 +354,8 @@ def download(url, path, stop=None):
                         f.write(block)
             os.replace(path + ".part", path)
             return path
+        except requests.ConnectionError:  # no network, no DNS, refused: its full story is long
+            err = "connection failed"
         except (requests.RequestException, OSError) as e:
             err = str(e)[:200]
         wait = BACKOFF * 2 ** (attempt - 1)

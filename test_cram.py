@@ -1,5 +1,5 @@
-"""Tests for prepare.py, cram.py and glue.py: CPU only, no network, tiny data made here."""
-import base64, gzip, http.server, io, json, math, os, random, shutil, signal, stat, subprocess, sys, threading, time, zipfile
+"""Tests for prepare.py, cram.py and glue.py: no network, tiny data made here; CUDA cases run where there is a GPU."""
+import base64, gzip, http.server, io, json, math, os, random, shutil, signal, socket, stat, subprocess, sys, threading, time, zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
@@ -437,6 +437,11 @@ def test_download_retries_are_said(tmp_path, http_server, capsys):
     retries = [l for l in capsys.readouterr().err.splitlines() if "/busy" in l]
     assert len(retries) == prepare.RETRIES - 1
     assert "HTTP 503 (attempt 1 of 5); waiting 0.01s" in retries[0] and "attempt 4 of 5" in retries[-1]
+    with socket.socket() as s:  # a port where nothing listens: one short line, not urllib3's story
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/x"
+    with pytest.raises(SystemExit, match=f"^error: download failed: {closed}: connection failed$"):
+        prepare.download(closed, str(tmp_path / "x"))
 
 
 def test_the_papers_defaults():
@@ -602,7 +607,9 @@ def test_sigterm_checkpoint_and_resume(tmp_path, data, device):
         assert p.poll() is None, p.stdout.read()
         time.sleep(0.05)
     p.send_signal(signal.SIGTERM)
-    assert p.wait(60) == 128 + signal.SIGTERM, p.stdout.read()
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 128 + signal.SIGTERM, out
+    assert "signal 15: the run stops after this step and saves" in out  # said at once, then done
     ck = cram.load_checkpoint(os.path.join(part, "ckpt.pt"))
     assert 20 <= ck["step"] < 200
     cram.main([*common, "--out", part, "--resume"])
