@@ -246,8 +246,9 @@ def evaluate(model, rows, specials, micro, device):
     seed EVAL_SEED + i alone, so its mask does not depend on the batching: evaluations compare."""
     model.eval()
     loss, right, count, progress = 0.0, 0, 0, Progress("evaluate", len(rows), "rows")
-    per_row = [masked(row[None], specials, EVAL_SEED + i, device) for i, row in enumerate(rows)]
-    inputs = {k: torch.cat([r[k] for r in per_row]) for k in per_row[0]}  # each (rows, ...)
+    cpu = torch.device("cpu")  # rows masked one by one here, then moved to the device at once
+    per_row = [masked(row[None], specials, EVAL_SEED + i, cpu) for i, row in enumerate(rows)]
+    inputs = {k: torch.cat([r[k] for r in per_row]).to(device) for k in per_row[0]}  # (rows, ...)
     for i in range(0, len(rows), micro):
         with autocast(device):
             hidden = model(inputs["idx"][i:i + micro])  # (B, T, width)
@@ -410,9 +411,9 @@ class Trainer:
         if not math.isfinite(norm):  # the paper's clipping keeps this away; never saved
             die(f"loss or gradients not finite at step {s['step']}: start again with a "
                 f"lower --lr in a new --out")
-        s["step"] += 1
-        s["seqs"] += accum * a.micro_batch * self.world
-        return accum * a.micro_batch * self.world, loss
+        batch = accum * a.micro_batch * self.world
+        s["step"], s["seqs"] = s["step"] + 1, s["seqs"] + batch
+        return batch, loss
 
     def validate(self):
         """Held-out masked-LM loss and accuracy on val.bin, logged."""
