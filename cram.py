@@ -26,20 +26,18 @@ LR_START = 0.25         # budget-triangle2: lr starts at 25% of the peak ...
 LR_FALL = 4.0           # ... and falls as 4(1 - x), so it peaks at x = 0.75 and ends at zero
 RAMP_END = 0.6          # the batch reaches --batch-size at 60% of the budget
 MICRO_BATCH = 128       # sequences per forward pass (v2's default for a 24 GB GPU)
-BATCH_SIZE = 8192       # sequences per optimizer step at the end of the ramp
+BATCH_SIZE = 8192       # sequences per step at the end of the ramp: a GPU day wants big batches
 MASK_RATE = 0.25        # v2 masks 25% of the tokens (BERT: 15%): more signal per sequence
 MASK_AS_MASK, MASK_AS_RANDOM = 0.8, 0.1  # of the masked: 80% [MASK], 10% a random token, 10% stay
 INIT_STD = 0.02         # normal init of every linear and embedding weight
 LN_EPS = 1e-12          # LayerNorm epsilon of the official model
 PRESETS = {
-    # the paper's model and batch: a GPU day wants big batches, 8192 sequences per step
     "crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=MICRO_BATCH,
-                    batch_size=BATCH_SIZE, lr=LR, alibi=0.0),
+                    batch_size=BATCH_SIZE, lr=LR, alibi=0.0),  # the paper's model and batch
     # the CPU demo (data prepared with --vocab-size 2048): ten minutes on 2 cores buy a few
-    # thousand steps, so they must be many, small and fast: 2 x 128, 16 sequences a step, a
-    # high lr, and ALiBi's locality so the model need not discover it (see the README)
+    # thousand steps, so they must be many, small and fast: 2 x 128, 16 sequences a step, a high lr
     "tiny": dict(layers=2, width=128, heads=2, ffn=512, micro_batch=16, batch_size=16, lr=6e-3,
-                 alibi=1.0),
+                 alibi=1.0),  # ALiBi's locality, so the model need not discover it (see the README)
 }
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
 PEAK_FLOPS = 989e12     # H100 SXM, dense bf16: MFU's denominator (A100: 312e12)
@@ -113,12 +111,9 @@ class Block(nn.Module):
 
 def sinusoid(seq_len, width):
     """The fixed sinusoidal position table (seq_len, width) of "Attention is all you need"."""
-    t = torch.arange(seq_len)[:, None]
-    freq = 10000 ** (-torch.arange(0, width, 2) / width)
-    table = torch.zeros(seq_len, width)
-    table[:, 0::2] = torch.sin(t * freq)
-    table[:, 1::2] = torch.cos(t * freq)
-    return table
+    freq = 10000 ** (-torch.arange(0, width, 2) / width)  # (width/2,)
+    angle = torch.arange(seq_len)[:, None] * freq  # (seq_len, width/2): position x frequency
+    return torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(1)  # columns sin, cos, sin, ...
 
 
 class Crammed(nn.Module):
@@ -133,10 +128,9 @@ class Crammed(nn.Module):
         self.emb_ln = nn.LayerNorm(c.width, eps=LN_EPS)
         self.drop = nn.Dropout(c.dropout)
         # CPU demo only: ALiBi's fixed penalty slope x |i - j| on the attention scores hands a
-        # small model the locality it cannot find in minutes; slopes alibi, alibi/2, ... by head,
-        # but the last head stays global (slope 0), so that the first token can read the row
-        slopes = c.alibi * 0.5 ** torch.arange(c.heads)
-        slopes[-1] = 0.0
+        # small model the locality it cannot find in minutes
+        slopes = c.alibi * 0.5 ** torch.arange(c.heads)  # alibi, alibi/2, ... by head
+        slopes[-1] = 0.0  # but the last head stays global, so that the first token can read the row
         self.register_buffer("slopes", slopes, persistent=False)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
         self.ln_f = nn.LayerNorm(c.width, eps=LN_EPS)
@@ -177,11 +171,10 @@ def flops_per_token(c):
 
 # ----------------------------------------------------------------------------- the objective
 def mask_rows(rows, specials, gen):
-    """Masked LM with static shapes: exactly round(0.25 x T) positions per row, never a special
-    token (`specials`: their ids, the last of the vocabulary). Of those, 80% become [MASK], 10% a
-    random token, 10% stay. For T=8 and [SEP]=9: rows=[[5, 6, 7, 9, 1, 2, 3, 4]] ->
-    positions=[[1, 6]], labels=[[6, 3]], idx=[[5, M, 7, 9, 1, 2, M, 4]].
-    Returns idx, positions, labels (-100: ignore)."""
+    """Masked LM with static shapes: exactly round(0.25 x T) positions a row, never a special token
+    (`specials`: their ids, the last of the vocabulary); 80% become [MASK], 10% a random token, 10%
+    stay. For T=8, [SEP]=9: rows=[[5, 6, 7, 9, 1, 2, 3, 4]] -> positions=[[1, 6]], labels=[[6, 3]],
+    idx=[[5, M, 7, 9, 1, 2, M, 4]]. Returns idx, positions, labels (-100: ignore)."""
     B, T = rows.shape
     special_ids, n_ordinary = torch.tensor(sorted(specials.values())), min(specials.values())
     special = torch.isin(rows, special_ids)
@@ -226,15 +219,14 @@ class Batches:
 
     def __init__(self, rows, micro, seed, rank=0, world=1, epoch=0, pos=0):
         self.rows, self.micro, self.seed, self.rank, self.world = rows, micro, seed, rank, world
-        self.epoch, self.pos, self.order_epoch = epoch, pos, None
+        self.epoch, self.pos, self.order = epoch, pos, None
 
     def __next__(self):
         if self.pos + self.micro * self.world > len(self.rows):
             self.epoch, self.pos = self.epoch + 1, 0
-        if self.order_epoch != self.epoch:  # numpy's permutation order, in 4 bytes a row, not 8
+        if self.pos == 0 or self.order is None:  # the epoch's order: numpy's, 4 bytes a row, not 8
             self.order = np.arange(len(self.rows), dtype=np.uint32)
             np.random.default_rng((self.seed, self.epoch)).shuffle(self.order)
-            self.order_epoch = self.epoch
         start = self.pos + self.rank * self.micro
         self.pos += self.micro * self.world
         return self.rows[np.sort(self.order[start:start + self.micro])]  # sorted: reads go forward
@@ -250,10 +242,11 @@ def evaluate(model, rows, specials, micro, device):
     per_row = [masked(row[None], specials, EVAL_SEED + i, cpu) for i, row in enumerate(rows)]
     inputs = {k: torch.cat([r[k] for r in per_row]).to(device) for k in per_row[0]}  # (rows, ...)
     for i in range(0, len(rows), micro):
+        if STOP:  # Ctrl-C or SIGTERM: stop within a micro-batch, as training does within a step
+            break
+        idx, positions, labels = (inputs[k][i:i + micro] for k in ("idx", "positions", "labels"))
         with autocast(device):
-            hidden = model(inputs["idx"][i:i + micro])  # (B, T, width)
-            logits = model.decode(hidden, inputs["positions"][i:i + micro])  # (B, masked, V)
-        labels = inputs["labels"][i:i + micro]
+            logits = model.decode(model(idx), positions)  # (B, masked, vocab)
         keep = labels != -100
         loss += F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum").item()
         right += (logits.argmax(-1) == labels)[keep].sum().item()
@@ -302,26 +295,18 @@ class Trainer:
         self.args, self.rank, self.world, self.device = args, rank, world, device
         meta, self.tok, rows = read_prepared(args.data)
         self.path = os.path.join(args.out, "ckpt.pt")
-        ckpt = None  # a folder holds a run once it holds a checkpoint (a log alone: one that died)
         if args.resume:
             ckpt = load_checkpoint(self.path, meta, self.tok, "; start without --resume")
-            vars(args).update({k: ckpt["args"][k] for k in RUN})  # the schedule depends on them
-        elif os.path.exists(self.path):
+            run = {k: ckpt["args"][k] for k in RUN}  # the schedule depends on them
+            vars(args).update(run)
+        elif os.path.exists(self.path):  # a folder holds a run once it holds a checkpoint
             die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
         os.makedirs(args.out, exist_ok=True)
         self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
                              args.heads, args.ffn, alibi=args.alibi)
         self.model, self.raw, self.opt = build(self.c, args, device, world)
-        self.state = state = dict(step=0, seqs=0, elapsed=0.0, data=[0, 0])  # data: epoch, pos
-        if ckpt:
-            self.raw.load_state_dict(ckpt["model"])
-            self.opt.load_state_dict(ckpt["optimizer"])
-            torch.set_rng_state(ckpt["rng"])
-            state.update({k: ckpt[k] for k in state})
-        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *state["data"])
-        self.val, self.specials = rows["val"][:args.eval_rows], self.tok["special_tokens"]
         if rank == 0:  # a new run replaces the log of one that died before its first checkpoint
-            self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if ckpt else "w")
+            self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
         n = sum(p.numel() for p in self.raw.parameters())
         budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
         self.log(f"crammed BERT {self.c.layers} x {self.c.width}: {n / 1e6:.1f} M parameters, "
@@ -331,9 +316,17 @@ class Trainer:
         if device.type == "cpu" and self.c == ModelConfig(meta["vocab_size"]):  # a laptop, say
             self.log("a CPU trains the paper's model at ~275 tok/s (2 cores: 24 M tokens a day, "
                      "1/200 of its GPU); the README's CPU demo learns in minutes: --preset tiny")
-        if ckpt:
-            run = {k: ckpt["args"][k] for k in RUN}
+        self.state = state = dict(step=0, seqs=0, elapsed=0.0, data=[0, 0])  # data: epoch, pos
+        if args.resume:
+            self.raw.load_state_dict(ckpt["model"])
+            self.opt.load_state_dict(ckpt["optimizer"])
+            torch.set_rng_state(ckpt["rng"])
+            state.update({k: ckpt[k] for k in state})
             self.log(f"resumed at step {state['step']} with the run's own settings {run}")
+        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *state["data"])
+        self.val, self.specials = rows["val"][:args.eval_rows], self.tok["special_tokens"]
+        if args.resume:  # a save now: a folder that takes no file, or a full disk, is said at once
+            self.save()
 
     def log(self, line="", **record):
         """A line, or a record: printed as one ('step 3 | loss 4.5000 | ...'), kept in log.jsonl."""
@@ -341,8 +334,7 @@ class Trainer:
             fields = (LINE[k].format(v) for k, v in record.items() if k in LINE)
             print(line or " | ".join(fields), flush=True)
             if record:
-                self.logf.write(json.dumps(record) + "\n")
-                self.logf.flush()
+                print(json.dumps(record), file=self.logf, flush=True)
 
     def train(self):
         """The loop: the clock, a step, and on their own clocks a log line, validation, a save."""
@@ -351,9 +343,8 @@ class Trainer:
         t_log = t_eval = t_save = time.time()
         busy, seqs_log, losses = 0.0, s["seqs"], []
         while True:
-            # the clock: ranks' clocks differ, so all take the largest, and any rank's signal
             now = torch.tensor([time.time() - t_start, len(STOP)], dtype=torch.float64)
-            if self.world > 1:
+            if self.world > 1:  # ranks' clocks differ: all take the largest, and any rank's signal
                 now = now.to(self.device)
                 dist.all_reduce(now, dist.ReduceOp.MAX)
             s["elapsed"], stop = now.tolist()
@@ -384,6 +375,12 @@ class Trainer:
             dist.destroy_process_group()
         if not STOP and self.rank == 0:
             self.validate()
+        if STOP:  # before the validation, or during it
+            self.log(f"stopped by signal {STOP[0]} at step {s['step']}: {self.path} saved; "
+                     f"continue with --resume")
+            raise SystemExit(128 + STOP[0])
+        self.log(f"done in {s['elapsed']:.0f}s: {s['step']} steps, {s['seqs'] * T:,} tokens; "
+                 f"{self.path}")
         return self.raw
 
     def train_step(self, x):
@@ -393,11 +390,9 @@ class Trainer:
             g["lr"] = schedule(x, a.lr)
         accum = ramp(x, a.batch_size, a.micro_batch * self.world)
         loss_sum = torch.zeros((), device=self.device)
-        for i in range(accum):
-            # masks are a pure function of (seed, rank, step, micro-batch): resumable. On a GPU
-            # the CPU masks the next micro-batch while the device works on this one
-            inputs = masked(next(self.data), self.specials, hash((a.seed, self.rank, s["step"], i)),
-                            self.device)
+        for i in range(accum):  # on a GPU, the CPU masks micro-batch i + 1 while the GPU works on i
+            seed = hash((a.seed, self.rank, s["step"], i))  # masks are a pure function: resumable
+            inputs = masked(next(self.data), self.specials, seed, self.device)
             if self.world > 1:  # DDP: all-reduce the gradients once, after the last micro-batch
                 self.model.require_backward_grad_sync = i == accum - 1
             with autocast(self.device):
@@ -419,8 +414,9 @@ class Trainer:
         """Held-out masked-LM loss and accuracy on val.bin, logged."""
         s = self.state
         loss, acc = evaluate(self.raw, self.val, self.specials, self.args.micro_batch, self.device)
-        self.log(step=s["step"], seqs=s["seqs"], tokens=s["seqs"] * self.c.seq_len,
-                 elapsed=round(s["elapsed"], 1), val_loss=loss, val_acc=acc)
+        if not STOP:  # a validation a signal cut short is not logged
+            self.log(step=s["step"], seqs=s["seqs"], tokens=s["seqs"] * self.c.seq_len,
+                     elapsed=round(s["elapsed"], 1), val_loss=loss, val_acc=acc)
 
     def save(self):
         """Rank 0 writes the checkpoint atomically: a crash or a full disk leaves the last one."""
@@ -440,9 +436,8 @@ class Trainer:
 
 # ----------------------------------------------------------------------------- asking the model
 def encode_masked(text, enc):
-    """Ids of a text with [MASK]s, normalised as prepare.py does. A [MASK] stands for a token and
-    the space before it, as words are in the corpus: 'The Cat [MASK] on it' -> ids('the cat') +
-    [MASK] + ids(' on it')."""
+    """Ids of a text with [MASK]s, normalised as in prepare.py; like a word in the corpus, a [MASK]
+    takes the space before it: 'The Cat [MASK] on it' -> ids('the cat') + [MASK] + ids(' on it')."""
     text = normalize(text).replace(" [mask]", "[mask]").replace("[mask]", "[MASK]")
     return enc.encode(text, allowed_special={"[MASK]"}, disallowed_special=())
 
@@ -471,10 +466,12 @@ def fill(args, device):
 # ----------------------------------------------------------------------------- plumbing
 def load_checkpoint(path, meta=None, tok=None, hint=""):
     """A cram checkpoint; given prepared data, it must share the data's tokenizer and rows."""
-    if not os.path.isfile(path):
-        die(f"{path}: no checkpoint here{hint}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        die(f"{path}: no checkpoint here{hint}")
+    except PermissionError:
+        raise  # the file is there, but this user cannot read it: entry says so in one line
     except Exception as e:  # torch raises many kinds for a damaged file
         die(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__}: {str(e)[:120]})")
     if not isinstance(ckpt, dict) or ckpt.get("format") != "cram-ckpt-1":
@@ -518,9 +515,8 @@ def get_args(argv=None):
     arg("--resume", action="store_true", help="continue OUT/ckpt.pt exactly where it stopped")
     arg("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK], no training")
     arg("--ckpt", help="checkpoint for --fill (default: OUT/ckpt.pt)")
-    args = ap.parse_args(argv)
-    preset = PRESETS[args.preset].items()  # the flags given win
-    vars(args).update({k: v for k, v in preset if getattr(args, k, None) is None})
+    args = ap.parse_args(argv)  # then the preset fills in what no flag gave
+    vars(args).update({k: v for k, v in PRESETS[args.preset].items() if vars(args).get(k) is None})
     if args.width % args.heads or args.ffn % 2 or args.batch_size < args.micro_batch:
         ap.error("--width must divide by --heads, --ffn be even, --batch-size >= --micro-batch")
     args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
@@ -555,18 +551,10 @@ def main(argv=None):
     STOP.clear()  # Ctrl-C and SIGTERM save and stop after this step; then the caller's handlers
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        run = Trainer(args, rank, world, device)
-        model = run.train()
+        return Trainer(args, rank, world, device).train()
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-    if STOP:
-        run.log(f"stopped by signal {STOP[0]} at step {run.state['step']}: {run.path} saved; "
-                f"continue with --resume")
-        raise SystemExit(128 + STOP[0])
-    run.log(f"done in {run.state['elapsed']:.0f}s: {run.state['step']} steps, "
-            f"{run.state['seqs'] * run.c.seq_len:,} tokens; {run.path}")
-    return model
 
 
 if __name__ == "__main__":

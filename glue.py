@@ -51,7 +51,11 @@ def read_tsv(path, task):
     """[(text a, text b or None, label)] from a GLUE tsv file: tab separated, no quoting, lines
     split at \\n only (a stray \\r inside a text stays), MRPC's BOM dropped."""
     t, rows = TASKS[task], []
-    lines = pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
+    try:
+        lines = pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
+    except UnicodeDecodeError as e:  # the line of the first bad byte
+        n = e.object.count(b"\n", 0, e.start) + 1
+        die(f"{path}:{n}: not UTF-8 text (byte 0x{e.object[e.start]:02x})")
     header = COLA_HEADER if task == "CoLA" else lines[0].rstrip("\r").split("\t")
     for n, line in enumerate(lines, 1):
         fields = line.rstrip("\r").split("\t")
@@ -64,6 +68,8 @@ def read_tsv(path, task):
             except (KeyError, TypeError, ValueError):
                 want = "a number" if t.labels is None else "one of " + ", ".join(t.labels)
                 die(f"{path}:{n}: label {y!r} (column {t.label!r}) is not {want}; is this {task}?")
+    if not rows:
+        die(f"{path}: no examples")
     return rows
 
 
@@ -161,9 +167,8 @@ def accuracy(p, y):
 
 
 def f1(p, y):
-    p, y = np.asarray(p) == 1, np.asarray(y) == 1
-    tp = float(np.sum(p & y))  # 2tp / (2tp + fp + fn), and 2tp + fp + fn = |p| + |y|
-    return 2 * tp / (np.sum(p) + np.sum(y)) if tp else 0.0
+    p, y = np.asarray(p) == 1, np.asarray(y) == 1  # 2tp / (2tp + fp + fn) = 2tp / (|p| + |y|)
+    return float(2 * np.sum(p & y) / max(np.sum(p) + np.sum(y), 1))  # none in either: 0, not nan
 
 
 def pearson(p, y):
@@ -232,13 +237,15 @@ def read_task(task, glue_dir):
 def save_results(path, mine, run):
     """glue.json with this run's splits merged in (a rerun replaces a task's) and averaged with the
     splits of the same `run` (checkpoint and setting): -> (glue.json's data, those splits)."""
-    data = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else {}
+    try:
+        data = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else {}
+    except ValueError as e:  # left as it is: it may hold days of results
+        die(f"{path}: damaged ({type(e).__name__}: {e}); move it away, then run again")
     data.setdefault("results", {}).update(mine)
     same = {split: r for split, r in data["results"].items() if r.get("run") == run}
     data["average"] = glue_score(same)[0]
-    if mine:
-        with atomic(path, "w") as f:
-            json.dump(data, f, indent=1)
+    with atomic(path, "w") as f:
+        json.dump(data, f, indent=1)
     return data, same
 
 
@@ -275,6 +282,7 @@ def main(argv=None):
     mine, run = {}, {"checkpoint": {"step": ckpt.get("step"), "elapsed": ckpt.get("elapsed")},
                      "setting": {k: vars(args)[k] for k in SETTING}}  # done; what averages mix
     data = {t: read_task(t, args.glue_dir) for t in args.tasks}  # all files read, then training
+    save_results(out, {}, run)  # a damaged glue.json or a folder that takes no file: said now
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
     seq_len = ckpt["model_config"]["seq_len"]
     for task, rows in data.items():  # --max-train-samples None: all the training examples

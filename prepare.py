@@ -64,9 +64,8 @@ def jobs(files):
             yield is_json, job
 
 
-def texts(job):
+def texts(is_json, raws):
     """Each record's normalised text, or None for a bad record (broken JSON or UTF-8, no text)."""
-    is_json, raws = job
     for raw in raws:
         try:
             text = json.loads(raw).get("text") if is_json else raw.decode("utf-8")
@@ -78,10 +77,9 @@ def texts(job):
 def count_chunks(job):
     """In a worker, for the tokenizer: (count of each pre-tokenised chunk, characters) of a job."""
     counts, chars = Counter(), 0
-    for text in texts(job):
-        if text:
-            counts.update(re.findall(PATTERN, text))
-            chars += len(text)
+    for text in filter(None, texts(*job)):  # the good records
+        counts.update(re.findall(PATTERN, text))
+        chars += len(text)
     return counts, chars
 
 
@@ -91,8 +89,7 @@ Doc = namedtuple("Doc", "key chars ids")  # a document: a hash of its text, its 
 @functools.cache
 def worker_tokenizer(rank_file, pattern):
     """In a worker: the tokenizer, read from its rank file once, at the worker's first job."""
-    ranks = pathlib.Path(rank_file).read_text()
-    return load_tokenizer({"ranks": ranks, "pattern": pattern, "special_tokens": {}})
+    return load_tokenizer({"ranks": pathlib.Path(rank_file).read_text(), "pattern": pattern})
 
 
 def encode_job(job, rank_file, pattern):
@@ -100,7 +97,7 @@ def encode_job(job, rank_file, pattern):
     enc = worker_tokenizer(rank_file, pattern)
     return [Doc(hashlib.blake2b(text.encode(), digest_size=8).digest(), len(text),
                 np.array(enc.encode_ordinary(text), np.uint16)) if text else None
-            for text in texts(job)]
+            for text in texts(*job)]
 
 
 def in_order(pool, fn, extra, files, workers):
@@ -153,9 +150,8 @@ def train_bpe(counts, n_vocab):
                 if new in q:
                     where[q].add(i)
             words[i] = out
-        del pairs[p]
         for q, d in delta.items():
-            if d and q != p:  # a pair down to 0 stays: it never comes back
+            if d:  # a pair down to 0 (p among them) stays: it never comes back
                 pairs[q] += d
                 heapq.heappush(heap, (-pairs[q], q))
         progress(len(vocab) - 256)
@@ -165,10 +161,9 @@ def train_bpe(counts, n_vocab):
 def load_tokenizer(tok):
     """tiktoken.Encoding from the dict in meta.json / checkpoints; its "ranks" are the text of a
     rank file, a line per token: its bytes in base64, its id. 'IGNhdA== 1000': b' cat' is 1000."""
-    pairs = (line.split() for line in tok["ranks"].splitlines())
-    vocab = {base64.b64decode(token): int(i) for token, i in pairs}
+    vocab = {base64.b64decode(b64): int(i) for b64, i in map(str.split, tok["ranks"].splitlines())}
     return tiktoken.Encoding("cram", pat_str=tok["pattern"], mergeable_ranks=vocab,
-                             special_tokens=tok["special_tokens"])
+                             special_tokens=tok.get("special_tokens", {}))
 
 
 def train_tokenizer(pool, files, args):
@@ -271,23 +266,21 @@ def entry(main):
 
 
 class Progress:
-    """The progress line of every long step, at most every 2 seconds, on stderr: 20 s in,
-    Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'; counts
-    stay whole (1,030 rows). `extra`, a function, adds to a line that prints."""
+    """A long step's progress line on stderr, at most every 2 s; `extra()` adds to it. 20 s in,
+    Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'."""
 
     def __init__(self, what, total=0, unit=""):
         self.what, self.total, self.unit = what, total, unit
         self.t0 = self.last = time.time()
 
-    def __call__(self, done, extra=None, force=False):
+    def __call__(self, done, extra=lambda: "", force=False):
         if force or time.time() - self.last >= 2.0:
             self.last, rate = time.time(), done / max(time.time() - self.t0, 1e-9)
             n = "{:,.1f}" if isinstance(done, float) else "{:,}"  # MB with a decimal, counts whole
             left = int((self.total - done) / max(rate, 1e-9))
             eta = f"/{n.format(self.total)} {self.unit}, ETA {left // 60}:{left % 60:02d}"
             line = f"{self.what}: {n.format(done)}{eta if self.total else ' ' + self.unit}"
-            print(f"{line}, {rate:,.1f} {self.unit}/s{extra() if extra else ''}", file=sys.stderr,
-                  flush=True)
+            print(f"{line}, {rate:,.1f} {self.unit}/s{extra()}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -312,14 +305,15 @@ def atomic(path, mode="wb"):
 def read_prepared(folder):
     """The one reader of a prepared folder: (meta, tokenizer, {split: memmapped rows})."""
     path = os.path.join(folder, "meta.json")
-    if not os.path.isfile(path):
-        die(f"{folder}: no prepared data (no meta.json); run prepare.py --out {folder}")
     try:
         meta = json.loads(pathlib.Path(path).read_text())
         path = os.path.join(folder, "tokenizer.tiktoken")
         tok = {"ranks": pathlib.Path(path).read_text(), "pattern": meta["pattern"],
                "special_tokens": meta["special_tokens"]}
-        load_tokenizer(tok)  # it must parse
+        load_tokenizer(tok)  # it must parse, and hold every token (a file cut at a line parses)
+        n = len(tok["ranks"].splitlines()) + len(tok["special_tokens"])
+        if n != meta["vocab_size"]:
+            raise ValueError(f"{n} tokens with the specials, meta.json says {meta['vocab_size']}")
         rows = {}
         for split in ("train", "val"):
             path = os.path.join(folder, f"{split}.bin")
@@ -329,8 +323,13 @@ def read_prepared(folder):
             rows[split] = np.frombuffer(mm, np.uint16).reshape(-1, meta["seq_len"])
             if len(rows[split]) != meta[split]["rows"]:
                 raise ValueError(f"{len(rows[split])} rows, meta.json says {meta[split]['rows']}")
+    except PermissionError:
+        raise  # the file is there, but this user cannot read it: entry says so, nothing is damaged
     except (OSError, ValueError, KeyError, TypeError) as e:
-        die(f"{path}: missing or damaged ({type(e).__name__}: {str(e)[:80]}); run prepare.py again")
+        if isinstance(e, FileNotFoundError) and path.endswith("meta.json"):
+            die(f"{folder}: no prepared data (no meta.json); run prepare.py --out {folder}")
+        die(f"{path}: missing or damaged ({type(e).__name__}: {str(e)[:80]}); prepare the data "
+            f"again into another --out, or remove {folder} first")
     return meta, tok, rows
 
 
@@ -354,10 +353,8 @@ def download(url, path, stop=None):
                         f.write(block)
             os.replace(path + ".part", path)
             return path
-        except requests.ConnectionError:  # no network, no DNS, refused: its full story is long
-            err = "connection failed"
-        except (requests.RequestException, OSError) as e:
-            err = str(e)[:200]
+        except (requests.RequestException, OSError) as e:  # no network, DNS, refused: a long story
+            err = "connection failed" if isinstance(e, requests.ConnectionError) else str(e)[:200]
         wait = BACKOFF * 2 ** (attempt - 1)
         if attempt < RETRIES:
             print(f"download {url}: {err} (attempt {attempt} of {RETRIES}); waiting {wait:g}s",
@@ -386,13 +383,12 @@ def get_args(argv):
     arg("--input", nargs="+", help=".txt (paragraphs), .jsonl, .json.gz, .gz files (default: C4)")
     arg("--shards", type=int, default=SHARDS, help="C4 shards to download (%(default)s)")
     arg("--out", default="data", help="output folder, new or without meta.json (%(default)s)")
-    arg("--vocab-size", type=int, default=VOCAB_SIZE, help="tokens incl. 4 specials, ignored with "
-        "--tokenizer (%(default)s)")
+    arg("--vocab-size", type=int, default=VOCAB_SIZE, help="tokens incl. 4 specials (%(default)s)")
     arg("--seq-len", type=int, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
     arg("--trash", type=float, help=f"drop documents with at least this many tokens per "
         f"character ({TRASH}, or --tokenizer's: its vocabulary's scale; 0: keep all)")
     arg("--sample-mb", type=float, default=SAMPLE_MB, help="tokenizer sample (%(default)s MB)")
-    arg("--tokenizer", help="reuse the tokenizer of a prepared folder instead of training one")
+    arg("--tokenizer", help="reuse a prepared folder's tokenizer and its vocab size, not train one")
     arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (%(default)s)")
     args = ap.parse_args(argv)
     if args.vocab_size > 1 << 16:
@@ -409,14 +405,13 @@ def main(argv=None):
     args.trash = given["trash"] if args.trash is None else args.trash
     os.makedirs(args.out, exist_ok=True)
     # The pool before any thread (forking a threaded process is unsafe); workers ignore Ctrl-C
-    pool = multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
-    fetcher, stop = ThreadPoolExecutor(1), threading.Event()  # downloads the next C4 shard
-    try:
-        meta = write_data(args, tok, pool, fetcher, stop)
-    finally:
-        stop.set()  # a download in flight gives up at its next block
-        fetcher.shutdown(cancel_futures=True)
-        pool.terminate()
+    with multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
+        fetcher, stop = ThreadPoolExecutor(1), threading.Event()  # downloads the next C4 shard
+        try:
+            meta = write_data(args, tok, pool, fetcher, stop)
+        finally:  # then the pool is terminated
+            stop.set()  # a download in flight gives up at its next block
+            fetcher.shutdown(cancel_futures=True)
     print(f"{args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens; dropped: "
           f"{json.dumps(meta['filters'])}")
     trash = meta["filters"]["trash"] / (meta["filters"]["trash"] + meta["documents"])

@@ -1,5 +1,5 @@
 """Tests for prepare.py, cram.py and glue.py: no network, tiny data made here; CUDA cases run where there is a GPU."""
-import base64, gzip, http.server, io, json, math, os, random, shutil, signal, socket, stat, subprocess, sys, threading, time, zipfile
+import base64, builtins, gzip, http.server, io, json, math, os, random, shutil, signal, socket, stat, subprocess, sys, threading, time, zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
@@ -410,7 +410,7 @@ def test_read_prepared_names_a_missing_or_damaged_file(tmp_path, data):
         ("val.bin", b"\0" * 100, r"val.bin: .*ValueError"),
         ("train.bin", None, r"train.bin: .*FileNotFoundError")]
     for name, content, says in cases:
-        with pytest.raises(SystemExit, match=f"^error: .*bad/{says}.*; run prepare.py again$"):
+        with pytest.raises(SystemExit, match=f"^error: .*bad/{says}.*; prepare the data again into another --out, or remove .*bad first$"):
             prepare.read_prepared(damaged(name, content))
     with pytest.raises(SystemExit, match="none: no prepared data .*run prepare.py"):
         prepare.read_prepared(str(tmp_path / "none"))
@@ -1292,3 +1292,127 @@ def test_prepare_unwritable_out_is_one_line(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(SystemExit, match="^error: .*afile: File exists$"):
         prepare.main(["--input", src, "--out", str(tmp_path / "afile")])
+
+
+# ----------------------------------------------------------------------------- damaged inputs and unwritable outputs
+def copy_data(data, to):
+    shutil.copytree(data, to)
+    return str(to)
+
+
+def deny(monkeypatch, *paths, new_in=None):
+    """Permission denied as a user who is not root meets it (the tests may run as root, whom chmod
+    does not stop): opening any of `paths`, or creating a file in the folder `new_in` (read-only)."""
+    real, denied = builtins.open, {os.path.abspath(p) for p in paths}
+
+    def guarded(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)):
+            path = os.path.abspath(file)
+            creates = any(c in mode for c in "wxa") and not os.path.exists(path)
+            if path in denied or (creates and new_in and os.path.dirname(path) == os.path.abspath(new_in)):
+                raise PermissionError(13, "Permission denied", str(file))
+        return real(file, mode, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", guarded)
+    monkeypatch.setattr(io, "open", guarded)  # pathlib opens through io.open
+
+
+def test_a_truncated_tokenizer_file_is_a_damaged_folder(tmp_path, data):
+    bad = copy_data(data, tmp_path / "bad")
+    path = os.path.join(bad, "tokenizer.tiktoken")
+    lines = open(path).read().splitlines(keepends=True)
+    with open(path, "w") as f:
+        f.write("".join(lines[:len(lines) // 2]))  # cut to half, at a line: it still parses
+    vocab = json.load(open(os.path.join(bad, "meta.json")))["vocab_size"]
+    says = (f"^error: {path}: missing or damaged \\(ValueError: {len(lines) // 2 + 4} tokens with the specials, "
+            f"meta.json says {vocab}\\); prepare the data again into another --out, or remove {bad} first$")
+    with pytest.raises(SystemExit, match=says):
+        cram.main(["--data", bad, "--out", str(tmp_path / "o"), *TINY, "--steps", "2"])
+    assert not os.path.exists(tmp_path / "o" / "ckpt.pt")
+
+
+def test_damaged_folder_message_says_what_works(tmp_path, data):
+    bad = copy_data(data, tmp_path / "bad")
+    os.remove(os.path.join(bad, "train.bin"))
+    with pytest.raises(SystemExit) as e:
+        prepare.read_prepared(bad)
+    msg = str(e.value.code)
+    assert msg.endswith(f"; prepare the data again into another --out, or remove {bad} first"), msg
+    with pytest.raises(SystemExit, match="holds prepared data"):  # what the old message sent the user into
+        prepare.main(["--input", write_jsonl(str(tmp_path / "x.jsonl"), make_docs(5)), "--out", bad])
+
+
+def test_glue_files_empty_header_only_or_not_utf8_are_one_line(glue_run):
+    run, calls, tmp = glue_run
+    header = "index\tsentence1\tsentence2\tlabel\n"
+    path = tmp / "glue" / "RTE" / "dev.tsv"
+    for text, says in [(b"", ": no examples"), (header.encode(), ": no examples"),
+                       ((header + "0\ta\tb\tentailment\n1\tcaf\xe9\tb\tentailment\n").encode("latin-1"),
+                        ":3: not UTF-8 text \\(byte 0xe9\\)")]:
+        path.write_bytes(text)
+        with pytest.raises(SystemExit, match=f"^error: {path}{says}"):
+            run("--tasks", "RTE")
+    write_files(tmp / "glue" / "CoLA", {"train.tsv": "gj04\t1\t\tA b.\n", "dev.tsv": ""})  # CoLA: no header
+    with pytest.raises(SystemExit, match="CoLA/dev.tsv: no examples"):
+        run("--tasks", "CoLA")
+    assert calls == []
+
+
+def test_a_damaged_glue_json_is_found_before_fine_tuning_and_kept(glue_run, capsys):
+    run, calls, tmp = glue_run
+    run("--tasks", "WNLI")
+    path = tmp / "glue.json"
+    cut = path.read_bytes()[:40]
+    path.write_bytes(cut)
+    with pytest.raises(SystemExit, match=f"^error: {path}: damaged \\(JSONDecodeError"):
+        run("--tasks", "RTE")
+    assert calls == ["WNLI"] and path.read_bytes() == cut
+
+
+def test_unwritable_outputs_are_found_at_start(glue_run, data, monkeypatch):
+    run, calls, tmp = glue_run
+    out = tmp / "run"
+    cram.main(["--data", data, "--out", str(out), "--steps", "2", *TINY])
+    log = (out / "log.jsonl").read_bytes()
+    with monkeypatch.context() as m:
+        deny(m, new_in=out)  # a read-only run folder: no new file, so no checkpoint either
+        with pytest.raises(SystemExit, match=f"^error: {out}/ckpt.pt: cannot save the checkpoint .*Permission denied"):
+            cram.main(["--data", data, "--out", str(out), "--steps", "40", "--resume", *TINY])
+    assert (out / "log.jsonl").read_bytes() == log  # not a step trained
+    deny(monkeypatch, new_in=tmp)  # glue.json's folder
+    with pytest.raises(SystemExit, match=f"^error: {tmp}/glue.json.tmp: Permission denied$"):
+        run("--tasks", "RTE")
+    assert calls == []
+
+
+def test_permission_denied_is_not_missing_or_damaged(tmp_path, data, monkeypatch):
+    cram.main(["--data", data, "--out", str(tmp_path / "o"), "--steps", "1", *TINY])
+    ckpt = str(tmp_path / "o" / "ckpt.pt")
+    for path in [os.path.join(data, "meta.json"), os.path.join(data, "train.bin"), ckpt]:
+        with monkeypatch.context() as m:
+            deny(m, path)
+            with pytest.raises(SystemExit, match=f"^error: {path}: Permission denied$"):
+                cram.main(["--data", data, "--out", str(tmp_path / "o"), "--steps", "2", "--resume", *TINY])
+    with monkeypatch.context() as m:
+        deny(m, ckpt)
+        with pytest.raises(SystemExit, match=f"^error: {ckpt}: Permission denied$"):
+            cram.main(["--ckpt", ckpt, "--fill", "a [MASK]"])
+
+
+def test_ctrl_c_in_the_final_validation_stops_at_once(tmp_path, data, monkeypatch, capsys):
+    """The validation at the end checks for a signal after each micro-batch, as training does after
+    each step: a CPU with 11,000 held-out rows would otherwise keep Ctrl-C waiting for long."""
+    decode, after = cram.Crammed.decode, []
+
+    def signalled(self, hidden, positions):  # in evaluate (no grad), the first micro-batch sends SIGINT
+        if not torch.is_grad_enabled():
+            after.append(1)
+            if len(after) == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+        return decode(self, hidden, positions)
+    monkeypatch.setattr(cram.Crammed, "decode", signalled)
+    with pytest.raises(SystemExit) as e:
+        cram.main(["--data", data, "--out", str(tmp_path), "--steps", "1", *TINY, "--micro-batch", "1"])
+    assert e.value.code == 130 and len(after) == 1  # stopped after the micro-batch it was in
+    assert not any("val_loss" in r for r in records(str(tmp_path)))  # no half-validation logged
+    assert "stopped by signal 2 at step 1" in capsys.readouterr().out
+    assert cram.load_checkpoint(str(tmp_path / "ckpt.pt"))["step"] == 1
