@@ -7,11 +7,7 @@
 import argparse, datetime, json, math, os, signal, time
 from dataclasses import asdict, dataclass
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+import numpy as np, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
 
 from prepare import Progress, atomic, die, entry, load_tokenizer, normalize, read_prepared
 
@@ -127,8 +123,7 @@ class Crammed(nn.Module):
         self.pos_scale = nn.Parameter(torch.tensor(c.width ** -0.5))  # scaled sinusoidal positions
         self.emb_ln = nn.LayerNorm(c.width, eps=LN_EPS)
         self.drop = nn.Dropout(c.dropout)
-        # CPU demo only: ALiBi's fixed penalty slope x |i - j| on the attention scores hands a
-        # small model the locality it cannot find in minutes
+        # CPU demo only: ALiBi's penalty slope x |i - j| on the scores gives a small model locality
         slopes = c.alibi * 0.5 ** torch.arange(c.heads)  # alibi, alibi/2, ... by head
         slopes[-1] = 0.0  # but the last head stays global, so that the first token can read the row
         self.register_buffer("slopes", slopes, persistent=False)
@@ -295,10 +290,12 @@ class Trainer:
         self.args, self.rank, self.world, self.device = args, rank, world, device
         meta, self.tok, rows = read_prepared(args.data)
         self.path = os.path.join(args.out, "ckpt.pt")
+        self.state = state = dict(step=0, seqs=0, elapsed=0.0, data=[0, 0])  # data: epoch, pos
         if args.resume:
             ckpt = load_checkpoint(self.path, meta, self.tok, "; start without --resume")
             run = {k: ckpt["args"][k] for k in RUN}  # the schedule depends on them
             vars(args).update(run)
+            state.update({k: ckpt[k] for k in state})
         elif os.path.exists(self.path):  # a folder holds a run once it holds a checkpoint
             die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
         os.makedirs(args.out, exist_ok=True)
@@ -316,17 +313,14 @@ class Trainer:
         if device.type == "cpu" and self.c == ModelConfig(meta["vocab_size"]):  # a laptop, say
             self.log("a CPU trains the paper's model at ~275 tok/s (2 cores: 24 M tokens a day, "
                      "1/200 of its GPU); the README's CPU demo learns in minutes: --preset tiny")
-        self.state = state = dict(step=0, seqs=0, elapsed=0.0, data=[0, 0])  # data: epoch, pos
+        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *state["data"])
+        self.val, self.specials = rows["val"][:args.eval_rows], self.tok["special_tokens"]
         if args.resume:
             self.raw.load_state_dict(ckpt["model"])
             self.opt.load_state_dict(ckpt["optimizer"])
             torch.set_rng_state(ckpt["rng"])
-            state.update({k: ckpt[k] for k in state})
             self.log(f"resumed at step {state['step']} with the run's own settings {run}")
-        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *state["data"])
-        self.val, self.specials = rows["val"][:args.eval_rows], self.tok["special_tokens"]
-        if args.resume:  # a save now: a folder that takes no file, or a full disk, is said at once
-            self.save()
+            self.save()  # now: a folder that takes no file, or a full disk, is found before a step
 
     def log(self, line="", **record):
         """A line, or a record: printed as one ('step 3 | loss 4.5000 | ...'), kept in log.jsonl."""
@@ -404,8 +398,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one CPU-GPU sync point
         if not math.isfinite(norm):  # the paper's clipping keeps this away; never saved
-            die(f"loss or gradients not finite at step {s['step']}: start again with a "
-                f"lower --lr in a new --out")
+            die(f"loss not finite at step {s['step']}: rerun with a lower --lr in a new --out")
         batch = accum * a.micro_batch * self.world
         s["step"], s["seqs"] = s["step"] + 1, s["seqs"] + batch
         return batch, loss
@@ -430,8 +423,7 @@ class Trainer:
                             "optimizer": self.opt.state_dict(), "args": vars(self.args),
                             "rng": torch.get_rng_state(), **self.state}, f)
         except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
-            die(f"{self.path}: cannot save the checkpoint ({str(e)[:80]}); the previous one is "
-                f"intact")
+            die(f"{self.path}: cannot save the checkpoint ({str(e)[:70]}); the last one is intact")
 
 
 # ----------------------------------------------------------------------------- asking the model
@@ -498,8 +490,7 @@ def get_args(argv=None):
     arg("--out", default="out", help="folder for ckpt.pt and log.jsonl")
     arg("--time", type=float, default=BUDGET, help="budget in seconds, compilation included")
     arg("--steps", type=int, help="budget in optimizer steps instead (reproducible runs)")
-    arg("--preset", choices=PRESETS, default="crammed",
-        help="crammed: the paper's model and batch; tiny: the CPU demo")
+    arg("--preset", choices=PRESETS, default="crammed", help="the paper's, or tiny: the CPU demo")
     for k in ("layers", "width", "heads", "ffn"):
         arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
     arg("--micro-batch", type=int, help=f"sequences per forward pass ({MICRO_BATCH})")

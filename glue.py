@@ -5,8 +5,7 @@
     python glue.py --ckpt out/ckpt.pt --random-init         # the "no pretraining" row"""
 import argparse, collections, json, math, os, pathlib, zipfile
 
-import numpy as np
-import torch, torch.nn as nn, torch.nn.functional as F
+import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
 
 from prepare import Progress, atomic, die, download, entry, load_tokenizer, normalize
 from cram import Crammed, autocast, load_checkpoint, load_model

@@ -743,7 +743,7 @@ def test_a_non_finite_step_stops_with_one_line(tmp_path, data, monkeypatch):
     monkeypatch.setattr(cram.F, "cross_entropy", lambda *a, **k: ce(*a, **k) * float("nan"))
     with pytest.raises(SystemExit) as e:  # no checkpoint yet, and --resume would repeat the step
         cram.main(["--data", data, "--out", str(tmp_path), "--steps", "100", *TINY])
-    assert str(e.value) == "error: loss or gradients not finite at step 0: start again with a lower --lr in a new --out"
+    assert str(e.value) == "error: loss not finite at step 0: rerun with a lower --lr in a new --out"
 
 
 def test_clear_errors(tmp_path, data):
@@ -923,7 +923,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, data, monkeypatch):
         f.write(b"partial")
         raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64")
     monkeypatch.setattr(cram.torch, "save", full)
-    with pytest.raises(SystemExit, match="ckpt.pt: cannot save the checkpoint .* the previous one is intact"):
+    with pytest.raises(SystemExit, match="ckpt.pt: cannot save the checkpoint .* the last one is intact"):
         cram.main(["--data", data, "--out", str(tmp_path), "--steps", "2", "--resume", *TINY])
     assert open(path, "rb").read() == before and not os.path.exists(path + ".tmp")
 
