@@ -1370,14 +1370,23 @@ def test_a_damaged_glue_json_is_found_before_fine_tuning_and_kept(glue_run, caps
 
 def test_unwritable_outputs_are_found_at_start(glue_run, data, monkeypatch):
     run, calls, tmp = glue_run
-    out = tmp / "run"
-    cram.main(["--data", data, "--out", str(out), "--steps", "2", *TINY])
+    out, train_step = tmp / "run", cram.Trainer.train_step
+
+    def signalled_at_step_2(self, x):  # a run of 40 steps stopped by a signal after its second
+        result = train_step(self, x)
+        if self.state["step"] == 2:
+            cram.STOP.append(signal.SIGTERM)
+        return result
+    with monkeypatch.context() as m:
+        m.setattr(cram.Trainer, "train_step", signalled_at_step_2)
+        with pytest.raises(SystemExit):
+            cram.main(["--data", data, "--out", str(out), "--steps", "40", *TINY])
     log = (out / "log.jsonl").read_bytes()
     with monkeypatch.context() as m:
         deny(m, new_in=out)  # a read-only run folder: no new file, so no checkpoint either
         with pytest.raises(SystemExit, match=f"^error: {out}/ckpt.pt: cannot save the checkpoint .*Permission denied"):
-            cram.main(["--data", data, "--out", str(out), "--steps", "40", "--resume", *TINY])
-    assert (out / "log.jsonl").read_bytes() == log  # not a step trained
+            cram.main(["--data", data, "--out", str(out), "--resume", *TINY])
+    assert (out / "log.jsonl").read_bytes() == log  # not one of the 38 steps left was trained
     deny(monkeypatch, new_in=tmp)  # glue.json's folder
     with pytest.raises(SystemExit, match=f"^error: {tmp}/glue.json.tmp: Permission denied$"):
         run("--tasks", "RTE")
