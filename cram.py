@@ -7,9 +7,9 @@
 import argparse, datetime, json, math, os, signal, time
 from dataclasses import asdict, dataclass
 
-import numpy as np, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
-
 from prepare import Progress, atomic, die, entry, load_tokenizer, normalize, read_prepared
+
+import numpy as np, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
 
 # ----------------------------------------------------------------------------- the recipe
 BUDGET = 86400          # seconds: one day on one GPU, compilation included
@@ -21,25 +21,30 @@ CLIP = 0.5              # gradient-norm clipping: the paper's guard against loss
 LR_START = 0.25         # budget-triangle2: lr starts at 25% of the peak ...
 LR_FALL = 4.0           # ... and falls as 4(1 - x), so it peaks at x = 0.75 and ends at zero
 RAMP_END = 0.6          # the batch reaches --batch-size at 60% of the budget
-MICRO_BATCH = 128       # sequences per forward pass (v2's default for a 24 GB GPU)
+MICRO_BATCH = 128       # sequences per forward pass: v2's, for a 24 GB GPU (bigger GPUs: below)
 BATCH_SIZE = 8192       # sequences per step at the end of the ramp: a GPU day wants big batches
 MASK_RATE = 0.25        # v2 masks 25% of the tokens (BERT: 15%): more signal per sequence
-MASK_AS_MASK, MASK_AS_RANDOM = 0.8, 0.1  # of the masked: 80% [MASK], 10% a random token, 10% stay
+MASK_AS_MASK = 0.8      # of the masked positions, 80% read [MASK] ...
+MASK_AS_RANDOM = 0.1    # ... 10% a random token, and the other 10% keep their own token
 INIT_STD = 0.02         # normal init of every linear and embedding weight
 LN_EPS = 1e-12          # LayerNorm epsilon of the official model
 PRESETS = {
-    "crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=MICRO_BATCH,
+    "crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=None,
                     batch_size=BATCH_SIZE, lr=LR, alibi=0.0),  # the paper's model and batch
     # the CPU demo (data prepared with --vocab-size 2048): ten minutes on 2 cores buy a few
     # thousand steps, so they must be many, small and fast: 2 x 128, 16 sequences a step, a high lr
     "tiny": dict(layers=2, width=128, heads=2, ffn=512, micro_batch=16, batch_size=16, lr=6e-3,
                  alibi=1.0),  # ALiBi's locality, so the model need not discover it (see the README)
 }
+# GB of GPU memory -> micro-batch, the first that fits: bigger products run faster (on an H200 the
+# paper's model at 512 takes 27 GiB and trains 13% faster than at 128)
+GPU_MICRO_BATCH = {40: 512, 20: 256, 0: MICRO_BATCH}
+# MFU's denominator: dense bf16 peaks by GPU name (datasheets); the H100's for one not named here
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
+              "L40S": 362e12, "A6000": 155e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
-PEAK_FLOPS = 989e12     # H100 SXM, dense bf16: MFU's denominator (A100: 312e12)
 SAVE_TIMEOUT = 3600     # seconds DDP ranks wait for rank 0 to save or evaluate (NCCL's: 600)
-RUN = [*PRESETS["crammed"], "time", "steps", "seed"]  # what a run is: --resume keeps its own
-STOP = []               # signals received: the loop saves and exits at the next step
+RUN_SETTINGS = [*PRESETS["crammed"], "time", "steps", "seed"]  # --resume keeps the run's own
 
 
 # ----------------------------------------------------------------------------- the model
@@ -56,21 +61,22 @@ class ModelConfig:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with no biases; `mask` marks the keys that may be attended."""
+    """Multi-head self-attention with no biases; `visible`: the keys each query may attend to."""
 
     def __init__(self, c):
         super().__init__()
-        self.heads, self.dropout = c.heads, c.dropout
+        self.heads = c.heads
+        self.dropout = c.dropout
         self.qkv = nn.Linear(c.width, 3 * c.width, bias=False)
         self.proj = nn.Linear(c.width, c.width, bias=False)
         self.drop = nn.Dropout(c.dropout)
 
-    def forward(self, x, mask=None):
+    def forward(self, x, visible=None):
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.heads, C // self.heads)  # (B, T, 3, heads, head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, heads, T, head_dim)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=p)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, width): heads side by side again
         return self.drop(self.proj(y))
 
@@ -80,12 +86,15 @@ class GatedMLP(nn.Module):
 
     def __init__(self, c):
         super().__init__()
-        self.fc = nn.Linear(c.width, c.ffn, bias=False)
+        self.fc = nn.Linear(c.width, c.ffn, bias=False)  # rows: the value's, then the gate's
         self.out = nn.Linear(c.ffn // 2, c.width, bias=False)
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x):
-        value, gate = self.fc(x).chunk(2, dim=-1)  # each (B, T, ffn/2)
+        # two products with the weight's halves, not one split after: the backward then needs no
+        # concatenation of the two gradients (on a GPU, a slow kernel of its own)
+        w_value, w_gate = self.fc.weight.chunk(2)  # each (ffn/2, width)
+        value, gate = F.linear(x, w_value), F.linear(x, w_gate)  # each (B, T, ffn/2)
         return self.drop(self.out(value * F.gelu(gate)))
 
 
@@ -99,8 +108,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(c.width, eps=LN_EPS)
         self.mlp = GatedMLP(c)
 
-    def forward(self, x, mask=None):
-        x = x + self.attn(self.ln_1(x), mask)
+    def forward(self, x, visible=None):
+        x = x + self.attn(self.ln_1(x), visible)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -120,7 +129,9 @@ class Crammed(nn.Module):
         self.config = c
         self.emb = nn.Embedding(c.vocab_size, c.width)
         self.register_buffer("sinusoid", sinusoid(c.seq_len, c.width), persistent=False)
-        self.pos_scale = nn.Parameter(torch.tensor(c.width ** -0.5))  # scaled sinusoidal positions
+        # scaled sinusoidal positions: a fixed table, but a learned scale lets the model choose how
+        # loud positions are beside the tokens (v2's "scaled-sinusoidal", starting at width^-0.5)
+        self.pos_scale = nn.Parameter(torch.tensor(c.width ** -0.5))
         self.emb_ln = nn.LayerNorm(c.width, eps=LN_EPS)
         self.drop = nn.Dropout(c.dropout)
         # CPU demo only: ALiBi's penalty slope x |i - j| on the scores gives a small model locality
@@ -133,18 +144,19 @@ class Crammed(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, 0.0, INIT_STD)
 
-    def forward(self, idx, attn_mask=None, positions=None, labels=None):
-        """Hidden states (B, T, width) of ids (B, T), or given masks the masked-LM loss."""
+    def forward(self, idx, not_pad=None, positions=None, labels=None):
+        """Hidden states (B, T, width) of ids (B, T), or with the masked positions and their labels
+        the masked-LM loss. not_pad (B, T): False at padding (fine-tuning); pretraining has none."""
         T = idx.size(1)
         x = self.emb(idx) + self.pos_scale * self.sinusoid[:T]  # (B, T, width)
         x = self.drop(self.emb_ln(x))
-        mask = None if attn_mask is None else attn_mask[:, None, None, :]  # (B, 1, 1, T)
-        if self.config.alibi:  # a float mask is added to the scores; -inf where masked out
+        visible = None if not_pad is None else not_pad[:, None, None, :]  # (B, 1, 1, T) keys
+        if self.config.alibi:  # a float bias added to the scores instead: -inf hides padding
             t = torch.arange(T, device=idx.device)
             bias = -self.slopes[:, None, None] * (t[:, None] - t).abs()  # (heads, T, T)
-            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+            visible = bias if visible is None else bias.masked_fill(~visible, float("-inf"))
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, visible)
         x = self.ln_f(x)
         if positions is None:
             return x
@@ -169,20 +181,25 @@ def mask_rows(rows, specials, gen):
     """Masked LM with static shapes: exactly round(0.25 x T) positions a row, never a special token
     (`specials`: their ids, the last of the vocabulary); 80% become [MASK], 10% a random token, 10%
     stay. For T=8, [SEP]=9: rows=[[5, 6, 7, 9, 1, 2, 3, 4]] -> positions=[[1, 6]], labels=[[6, 3]],
-    idx=[[5, M, 7, 9, 1, 2, M, 4]]. Returns idx, positions, labels (-100: ignore)."""
+    idx=[[5, M, 7, 9, 1, 2, M, 4]]. Returns idx, positions, labels (-100: ignore).
+    The rows hold no [CLS] (v2: include_cls_token_in_corpus False): every slot holds text, and
+    fine-tuning teaches the first position what GLUE's head reads there."""
     B, T = rows.shape
-    special_ids, n_ordinary = torch.tensor(sorted(specials.values())), min(specials.values())
-    special = torch.isin(rows, special_ids)
-    noise = torch.rand(B, T, generator=gen).masked_fill(special, 2.0)  # specials sort last
+    special_ids = torch.tensor(sorted(specials.values()))
+    n_ordinary = min(specials.values())  # ordinary tokens are the ids below the specials
+    # the masked positions: the smallest of uniform noise, in which the specials' 2.0 sorts last
+    noise = torch.rand(B, T, generator=gen).masked_fill(torch.isin(rows, special_ids), 2.0)
     positions = noise.topk(round(MASK_RATE * T), dim=1, largest=False).indices  # (B, masked)
-    labels = rows.gather(1, positions)
-    r = torch.rand(positions.shape, generator=gen)
+    labels = rows.gather(1, positions)  # (B, masked)
+    roll = torch.rand(positions.shape, generator=gen)  # decides the fate of each masked position
     random_ids = torch.randint(0, n_ordinary, positions.shape, generator=gen)
-    new = torch.where(r < MASK_AS_MASK + MASK_AS_RANDOM, random_ids, labels)
-    new = torch.where(r < MASK_AS_MASK, specials["[MASK]"], new)
-    hit = torch.isin(labels, special_ids)  # only in rows with fewer ordinary tokens than masks
-    idx = rows.scatter(1, positions, torch.where(hit, labels, new))
-    return idx, positions, labels.masked_fill(hit, -100)
+    shown = torch.where(roll < MASK_AS_MASK, specials["[MASK]"],  # 80%: [MASK]
+                        torch.where(roll < MASK_AS_MASK + MASK_AS_RANDOM, random_ids,  # 10%: random
+                                    labels))  # 10%: the token itself
+    # a row with fewer ordinary tokens than masks picks specials too: left as they are, not scored
+    picked_special = torch.isin(labels, special_ids)
+    idx = rows.scatter(1, positions, torch.where(picked_special, labels, shown))
+    return idx, positions, labels.masked_fill(picked_special, -100)
 
 
 def masked(rows, specials, seed, device):
@@ -196,16 +213,17 @@ def masked(rows, specials, seed, device):
 
 
 # ----------------------------------------------------------------------------- the budget
-def schedule(x, peak):
-    """budget-triangle2: 25% of the peak at the start, the peak at 75% of the budget, 0 at the
-    end. x=0 -> 0.25 peak, x=0.5 -> 0.75 peak, x=0.75 -> peak, x=0.9 -> 0.4 peak."""
-    return peak * min(LR_START + x, LR_FALL * (1 - x))
+def schedule(used, peak):
+    """budget-triangle2, on `used`, the fraction of the budget used: 25% of the peak at the start,
+    the peak at 75%, 0 at the end. 0 -> 0.25 peak, 0.5 -> 0.75, 0.75 -> peak, 0.9 -> 0.4 peak."""
+    return peak * min(LR_START + used, LR_FALL * (1 - used))
 
 
-def ramp(x, batch_size, micro):
-    """Micro-batches per step: the batch grows linearly to batch_size at 60% of the budget.
-    batch_size=8192, micro=128: x=0 -> 1, x=0.3 -> 32, x=0.6 and after -> 64."""
-    return max(1, round(batch_size / micro * min(1.0, x / RAMP_END)))
+def ramp(used, batch_size, micro):
+    """Micro-batches per step: the first step is one micro-batch, and the batch grows linearly to
+    batch_size at 60% of the budget. batch_size=8192, micro=128: 0 -> 1, 0.3 -> 32, 0.6 and after
+    -> 64; micro=512 (a GPU of 40 GB or more): 0 -> 1 (512 sequences), 0.3 -> 8, 0.6 -> 16."""
+    return max(1, round(batch_size / micro * min(1.0, used / RAMP_END)))
 
 
 class Batches:
@@ -213,8 +231,9 @@ class Batches:
     curriculum); (epoch, pos) is all the state, so a resume reads the same rows; ranks: a slice."""
 
     def __init__(self, rows, micro, seed, rank=0, world=1, epoch=0, pos=0):
-        self.rows, self.micro, self.seed, self.rank, self.world = rows, micro, seed, rank, world
-        self.epoch, self.pos, self.order = epoch, pos, None
+        self.rows, self.micro, self.seed = rows, micro, seed
+        self.rank, self.world = rank, world  # DDP: rank r reads the r-th micro-batch of each world
+        self.epoch, self.pos, self.order = epoch, pos, None  # next row: pos in the epoch's order
 
     def __next__(self):
         if self.pos + self.micro * self.world > len(self.rows):
@@ -232,29 +251,48 @@ def evaluate(model, rows, specials, micro, device):
     """Masked-LM loss and top-1 accuracy on the masked tokens of `rows`. Row i is masked with the
     seed EVAL_SEED + i alone, so its mask does not depend on the batching: evaluations compare."""
     model.eval()
-    loss, right, count, progress = 0.0, 0, 0, Progress("evaluate", len(rows), "rows")
-    cpu = torch.device("cpu")  # rows masked one by one here, then moved to the device at once
+    cpu = torch.device("cpu")  # each row masked alone here, then all moved to the device at once
     per_row = [masked(row[None], specials, EVAL_SEED + i, cpu) for i, row in enumerate(rows)]
     inputs = {k: torch.cat([r[k] for r in per_row]).to(device) for k in per_row[0]}  # (rows, ...)
+    loss_sum, right, count = 0.0, 0, 0
+    progress = Progress("evaluate", len(rows), "rows")
     for i in range(0, len(rows), micro):
-        if STOP:  # Ctrl-C or SIGTERM: stop within a micro-batch, as training does within a step
-            break
         idx, positions, labels = (inputs[k][i:i + micro] for k in ("idx", "positions", "labels"))
         with autocast(device):
-            logits = model.decode(model(idx), positions)  # (B, masked, vocab)
-        keep = labels != -100
-        loss += F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum").item()
-        right += (logits.argmax(-1) == labels)[keep].sum().item()
-        count += keep.sum().item()
+            logits = model.decode(model(idx), positions)  # (micro, masked, vocab)
+        scored = labels != -100
+        loss_sum += F.cross_entropy(logits[scored].float(), labels[scored], reduction="sum").item()
+        right += (logits.argmax(-1) == labels)[scored].sum().item()
+        count += scored.sum().item()
         progress(i + len(labels))
     model.train()
-    return loss / max(count, 1), right / max(count, 1)
+    return loss_sum / max(count, 1), right / max(count, 1)
 
 
 # ----------------------------------------------------------------------------- training
 def autocast(device):
     """bf16 on the GPU: tensor-core speed, and unlike fp16 it needs no loss scaling."""
     return torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
+
+
+def pick_micro_batch(device, batch_size):
+    """The micro-batch when no --micro-batch is given, by the GPU's memory -> (size, why)."""
+    if device.type != "cuda":
+        return min(MICRO_BATCH, batch_size), "v2's"
+    gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+    size = next(size for least_gb, size in GPU_MICRO_BATCH.items() if gb >= least_gb)
+    return min(size, batch_size), f"the GPU has {gb:.0f} GB: 512 from 40 GB, 256 from 20, else 128"
+
+
+def peak_flops(device):
+    """MFU's denominator, the GPU's dense bf16 peak -> (FLOP/s, the log line that says so)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
+    for key, peak in PEAK_FLOPS.items():  # "H100 PCIe" is tried before "H100"
+        if key in name:
+            return peak, f"MFU against the {name}'s dense bf16 peak, {peak / 1e12:.0f} TFLOP/s"
+    peak = PEAK_FLOPS["H100"]
+    return peak, (f"MFU against the H100's dense bf16 peak, {peak / 1e12:.0f} TFLOP/s "
+                  f"({name} is not in PEAK_FLOPS)")
 
 
 def build(c, args, device, world=1):
@@ -265,10 +303,13 @@ def build(c, args, device, world=1):
     decay = [p for p in raw.parameters() if p not in norms]  # v2: all but biases and norms
     rest = [p for p in raw.parameters() if p in norms]  # in a fixed order, for --resume
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0}]
+    # fused: one kernel for all the weights on a GPU; the CPU keeps the for-each AdamW, whose
+    # steps the README's CPU figures were measured with
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
     model = raw
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 products (outside autocast) on
+        torch.backends.cudnn.allow_tf32 = True  # tensor cores too
         if not args.no_compile:
             model = torch.compile(model)  # one graph, static shapes: the masks make them so
     if world > 1:  # DDP starts by copying rank 0's weights to every rank
@@ -277,151 +318,215 @@ def build(c, args, device, world=1):
     return model, raw, opt
 
 
-LINE = {"step": "step {}", "tokens": "{:,} tok", "loss": "loss {:.4f}", "lr": "lr {:.2e}",  # how
-        "batch": "batch {}", "tok_s": "{:,} tok/s", "mfu": "mfu {:.1%}",  # a record prints
-        "elapsed": "{:,.0f}s elapsed", "left": "{:,.0f}s left", "val_loss": "val loss {:.4f}",
-        "val_acc": "accuracy {:.1%}"}
+LOG_FORMAT = {"step": "step {}", "tokens": "{:,} tok", "loss": "loss {:.4f}", "lr": "lr {:.2e}",
+              "batch": "batch {}", "compiled": "compiled in {:.0f}s", "tok_s": "{:,} tok/s",
+              "mfu": "mfu {:.1%}", "elapsed": "{:,.0f}s elapsed", "left": "{:,.0f}s left",
+              "val_loss": "val loss {:.4f}", "val_acc": "accuracy {:.1%}"}  # how a record prints
 
 
 class Trainer:
-    """One run. A checkpoint holds `state`, the weights, the optimizer, the RNG: resume is exact."""
+    """One run: the model, AdamW, the rows and `state`; a checkpoint holds them all."""
 
     def __init__(self, args, rank, world, device):
-        self.args, self.rank, self.world, self.device = args, rank, world, device
+        args = argparse.Namespace(**vars(args))  # the run's settings: flags, --resume's, the GPU's
+        self.rank, self.world, self.device = rank, world, device
         meta, self.tok, rows = read_prepared(args.data)
         self.path = os.path.join(args.out, "ckpt.pt")
-        self.state = state = dict(step=0, seqs=0, elapsed=0.0, data=[0, 0])  # data: epoch, pos
+        self.state = dict(step=0, seqs=0, elapsed=0.0)  # steps, sequences and seconds so far
+        data_position, ckpt = [0, 0], None  # the data's epoch, and its row within the epoch
         if args.resume:
             ckpt = load_checkpoint(self.path, meta, self.tok, "; start without --resume")
-            run = {k: ckpt["args"][k] for k in RUN}  # the schedule depends on them
+            run = {k: ckpt["args"][k] for k in RUN_SETTINGS}  # the schedule depends on them
             vars(args).update(run)
-            state.update({k: ckpt[k] for k in state})
+            self.state.update({k: ckpt[k] for k in self.state})
+            data_position = ckpt["data"]
         elif os.path.exists(self.path):  # a folder holds a run once it holds a checkpoint
             die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
         os.makedirs(args.out, exist_ok=True)
+        if rank == 0:  # a new run replaces the log of one that died before its first checkpoint
+            self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
+        chosen = args.micro_batch is None
+        if chosen:
+            args.micro_batch, why = pick_micro_batch(device, args.batch_size)
+        self.args = args
         self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
                              args.heads, args.ffn, alibi=args.alibi)
         self.model, self.raw, self.opt = build(self.c, args, device, world)
-        if rank == 0:  # a new run replaces the log of one that died before its first checkpoint
-            self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
-        n = sum(p.numel() for p in self.raw.parameters())
-        budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
-        self.log(f"crammed BERT {self.c.layers} x {self.c.width}: {n / 1e6:.1f} M parameters, "
-                 f"{flops_per_token(self.c) / 1e9:.3f} GFLOP/token | budget {budget} | batch "
-                 f"ramps to {args.batch_size} in micro-batches of {args.micro_batch} x {world} "
-                 f"on {device} | peak lr {args.lr}")
-        if device.type == "cpu" and self.c == ModelConfig(meta["vocab_size"]):  # a laptop, say
-            self.log("a CPU trains the paper's model at ~275 tok/s (2 cores: 24 M tokens a day, "
-                     "1/200 of its GPU); the README's CPU demo learns in minutes: --preset tiny")
-        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *state["data"])
+        self.compiles = device.type == "cuda" and not args.no_compile  # at the first step
+        self.peak, mfu_line = peak_flops(device)
+        self.describe(mfu_line, f"micro-batch {args.micro_batch}: {why}" if chosen else "")
+        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *data_position)
         self.val, self.specials = rows["val"][:args.eval_rows], self.tok["special_tokens"]
-        if args.resume:
+        if not len(self.val):
+            self.log("--eval-rows 0: no validation")
+        self.signals = []  # Ctrl-C and SIGTERM received: the run saves and stops after the step
+        if ckpt:
             self.raw.load_state_dict(ckpt["model"])
             self.opt.load_state_dict(ckpt["optimizer"])
-            torch.set_rng_state(ckpt["rng"])
-            self.log(f"resumed at step {state['step']} with the run's own settings {run}")
+            self.log(f"resumed at step {self.state['step']} with the run's own settings {run}")
             self.save()  # now: a folder that takes no file, or a full disk, is found before a step
+
+    def describe(self, mfu_line, micro_batch_choice):
+        """The first lines of the log: the model, the budget, the batch, what MFU divides by."""
+        args, c = self.args, self.c
+        n = sum(p.numel() for p in self.raw.parameters())
+        budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
+        self.log(f"crammed BERT {c.layers} x {c.width}: {n / 1e6:.1f} M parameters, "
+                 f"{flops_per_token(c) / 1e9:.3f} GFLOP/token | budget {budget} | batch ramps "
+                 f"to {args.batch_size} in micro-batches of {args.micro_batch} x {self.world} on "
+                 f"{self.device} | peak lr {args.lr}")
+        if micro_batch_choice:
+            self.log(micro_batch_choice)
+        self.log(mfu_line)
+        if self.device.type == "cpu" and c == ModelConfig(c.vocab_size):  # a laptop, say
+            self.log("a CPU trains the paper's model at 240 to 360 tok/s (2 cores, measured), "
+                     "1/2000 of a GPU's pace; the README's CPU demo learns in minutes: "
+                     "--preset tiny")
 
     def log(self, line="", **record):
         """A line, or a record: printed as one ('step 3 | loss 4.5000 | ...'), kept in log.jsonl."""
         if self.rank == 0:
-            fields = (LINE[k].format(v) for k, v in record.items() if k in LINE)
+            fields = (LOG_FORMAT[k].format(v) for k, v in record.items() if k in LOG_FORMAT)
             print(line or " | ".join(fields), flush=True)
             if record:
                 print(json.dumps(record), file=self.logf, flush=True)
 
+    def on_signal(self, signum, frame):
+        """Ctrl-C or SIGTERM: said at once (a CPU step of the paper's model takes a minute)."""
+        print(f"signal {signum}: the run stops after this step and saves", flush=True)
+        self.signals.append(signum)
+
     def train(self):
-        """The loop: the clock, a step, and on their own clocks a log line, validation, a save."""
-        a, s, T = self.args, self.state, self.c.seq_len
-        t_start = time.time() - s["elapsed"]  # a resumed run goes on from its own elapsed time
-        t_log = t_eval = t_save = time.time()
-        busy, seqs_log, losses = 0.0, s["seqs"], []
-        while True:
-            now = torch.tensor([time.time() - t_start, len(STOP)], dtype=torch.float64)
-            if self.world > 1:  # ranks' clocks differ: all take the largest, and any rank's signal
-                now = now.to(self.device)
-                dist.all_reduce(now, dist.ReduceOp.MAX)
-            s["elapsed"], stop = now.tolist()
-            x = s["step"] / a.steps if a.steps else s["elapsed"] / a.time  # the budget used
-            if stop or x >= 1:
-                break
-            t = time.time()
-            batch, loss = self.train_step(x)
-            busy += time.time() - t  # the rate counts training only, no saves or validations
-            losses.append(loss)
-            if time.time() - t_log >= a.log_every or s["step"] == 1:
-                elapsed, tok_s = time.time() - t_start, (s["seqs"] - seqs_log) * T / busy
-                left = (a.steps - s["step"]) * elapsed / s["step"] if a.steps else a.time - elapsed
-                self.log(step=s["step"], seqs=s["seqs"], tokens=s["seqs"] * T,
-                         loss=sum(losses) / len(losses), lr=schedule(x, a.lr), batch=batch,
-                         tok_s=round(tok_s), mfu=flops_per_token(self.c) * tok_s / self.world
-                         / PEAK_FLOPS, elapsed=round(elapsed, 1), left=max(0.0, left))
-                t_log, busy, seqs_log, losses = time.time(), 0.0, s["seqs"], []
-            if a.eval_every and time.time() - t_eval >= a.eval_every and self.rank == 0:
-                self.validate()
-                t_eval = time.time()
-            if time.time() - t_save >= a.save_every:
-                self.save()
-                t_save = time.time()
-        self.save()
+        """The run: steps until the budget is used or a signal comes, the checkpoint, and with the
+        caller's Ctrl-C back (the checkpoint is safe), the final validation."""
+        caller = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.loop()
+            self.save()
+        finally:
+            for s, handler in caller.items():
+                signal.signal(s, handler)
         if self.world > 1:  # no rank leaves before rank 0's checkpoint is on the disk
             dist.barrier()
             dist.destroy_process_group()
-        if not STOP and self.rank == 0:
-            self.validate()
-        if STOP:  # before the validation, or during it
-            self.log(f"stopped by signal {STOP[0]} at step {s['step']}: {self.path} saved; "
+        step = self.state["step"]
+        if self.signals:
+            self.log(f"stopped by signal {self.signals[0]} at step {step}: {self.path} saved; "
                      f"continue with --resume")
-            raise SystemExit(128 + STOP[0])
-        self.log(f"done in {s['elapsed']:.0f}s: {s['step']} steps, {s['seqs'] * T:,} tokens; "
-                 f"{self.path}")
+            raise SystemExit(128 + self.signals[0])
+        if self.rank == 0:
+            self.validate()
+        self.log(f"done in {self.state['elapsed']:.0f}s: {step} steps, "
+                 f"{self.state['seqs'] * self.c.seq_len:,} tokens; {self.path}")
         return self.raw
 
-    def train_step(self, x):
-        """Accumulate micro-batches up to the ramp's batch, clip, step: -> (batch, loss)."""
-        a, s = self.args, self.state
-        for g in self.opt.param_groups:
-            g["lr"] = schedule(x, a.lr)
-        accum = ramp(x, a.batch_size, a.micro_batch * self.world)
+    def loop(self):
+        """The training loop. `used`, the fraction of the budget used, sets each step's learning
+        rate and batch; a log line, a validation and a checkpoint come when their seconds are up."""
+        args, state = self.args, self.state
+        start = time.time() - state["elapsed"]  # the run's clock: a resume goes on from its time
+        next_log = 0.0  # each process logs its first step at once
+        next_eval = state["elapsed"] + args.eval_every
+        next_save = state["elapsed"] + args.save_every
+        window = dict(seconds=0.0, seqs=0, losses=[])  # the steps since the last log line
+        compiling = self.compiles
+        while True:
+            # the clock and the signal count, all-reduced together: ranks that disagreed on the
+            # budget used would pick different accumulation counts and hang DDP
+            clock = torch.tensor([time.time() - start, len(self.signals)], dtype=torch.float64)
+            if self.world > 1:
+                clock = clock.to(self.device)
+                dist.all_reduce(clock, dist.ReduceOp.MAX)
+            state["elapsed"], signals = clock.tolist()
+            used = state["step"] / args.steps if args.steps else state["elapsed"] / args.time
+            if signals or used >= 1:
+                return
+            lr = schedule(used, args.lr)
+            accum = ramp(used, args.batch_size, args.micro_batch * self.world)
+            t = time.time()
+            loss = self.train_step(lr, accum)
+            window["seconds"] += time.time() - t  # the rate counts training only: no saves
+            batch = accum * args.micro_batch * self.world
+            state["step"] += 1
+            state["seqs"] += batch
+            window["seqs"] += batch
+            window["losses"].append(loss)
+            state["elapsed"] = time.time() - start
+            if state["elapsed"] >= next_log:
+                self.log_steps(lr, batch, window, compiling)
+                window = dict(seconds=0.0, seqs=0, losses=[])
+                compiling = False
+                next_log = state["elapsed"] + args.log_every
+            if args.eval_every and state["elapsed"] >= next_eval and self.rank == 0:
+                self.validate()
+                next_eval = time.time() - start + args.eval_every
+            if state["elapsed"] >= next_save:
+                self.save()
+                next_save = time.time() - start + args.save_every
+
+    def train_step(self, lr, accum):
+        """One optimizer step of `accum` micro-batches: their mean gradient, clipped -> the loss."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
         for i in range(accum):  # on a GPU, the CPU masks micro-batch i + 1 while the GPU works on i
-            seed = hash((a.seed, self.rank, s["step"], i))  # masks are a pure function: resumable
+            seed = hash((self.args.seed, self.rank, self.state["step"], i))  # resumable masks
             inputs = masked(next(self.data), self.specials, seed, self.device)
             if self.world > 1:  # DDP: all-reduce the gradients once, after the last micro-batch
                 self.model.require_backward_grad_sync = i == accum - 1
             with autocast(self.device):
-                loss = self.model(**inputs) / accum  # we want the MEAN over micro-batches
+                loss = self.model(**inputs) / accum  # we want the MEAN over micro-batches, not SUM
             loss.backward()
             loss_sum += loss.detach()
         norm = nn.utils.clip_grad_norm_(self.raw.parameters(), CLIP)
+        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one wait for the GPU
+        if not math.isfinite(norm):  # before the update: the weights never see it, nor a save
+            die(f"loss not finite at step {self.state['step'] + 1}: rerun with a lower --lr in a "
+                f"new --out")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one CPU-GPU sync point
-        if not math.isfinite(norm):  # the paper's clipping keeps this away; never saved
-            die(f"loss not finite at step {s['step']}: rerun with a lower --lr in a new --out")
-        batch = accum * a.micro_batch * self.world
-        s["step"], s["seqs"] = s["step"] + 1, s["seqs"] + batch
-        return batch, loss
+        return loss
+
+    def log_steps(self, lr, batch, window, compiling):
+        """The log line of the steps since the last one, its record built field by field."""
+        args, state, T = self.args, self.state, self.c.seq_len
+        record = dict(step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * T)
+        record["loss"] = sum(window["losses"]) / len(window["losses"])
+        record["lr"] = lr
+        record["batch"] = batch
+        if compiling:  # the first step compiles the model: its rate would read as a 900x slowdown
+            record["compiled"] = round(window["seconds"], 1)
+        else:
+            tok_s = window["seqs"] * T / window["seconds"]
+            record["tok_s"] = round(tok_s)
+            record["mfu"] = flops_per_token(self.c) * tok_s / self.world / self.peak  # per GPU
+        record["elapsed"] = round(state["elapsed"], 1)
+        if args.steps:  # at the pace so far
+            left = (args.steps - state["step"]) * state["elapsed"] / state["step"]
+        else:
+            left = args.time - state["elapsed"]
+        record["left"] = max(0.0, left)
+        self.log(**record)
 
     def validate(self):
-        """Held-out masked-LM loss and accuracy on val.bin, logged."""
-        s = self.state
+        """Held-out masked-LM loss and accuracy on --eval-rows rows of val.bin, logged."""
+        if not len(self.val):  # --eval-rows 0
+            return
         loss, acc = evaluate(self.raw, self.val, self.specials, self.args.micro_batch, self.device)
-        if not STOP:  # a validation a signal cut short is not logged
-            self.log(step=s["step"], seqs=s["seqs"], tokens=s["seqs"] * self.c.seq_len,
-                     elapsed=round(s["elapsed"], 1), val_loss=loss, val_acc=acc)
+        state = self.state
+        self.log(step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * self.c.seq_len,
+                 elapsed=round(state["elapsed"], 1), val_loss=loss, val_acc=acc)
 
     def save(self):
         """Rank 0 writes the checkpoint atomically: a crash or a full disk leaves the last one."""
-        self.state["data"] = [self.data.epoch, self.data.pos]
         if self.rank != 0:
             return
+        ckpt = {"format": "cram-ckpt-1", "model_config": asdict(self.c), "tokenizer": self.tok,
+                "model": self.raw.state_dict(), "optimizer": self.opt.state_dict(),
+                "args": vars(self.args), **self.state, "data": [self.data.epoch, self.data.pos]}
         try:
             with atomic(self.path) as f:
-                torch.save({"format": "cram-ckpt-1", "model_config": asdict(self.c),
-                            "tokenizer": self.tok, "model": self.raw.state_dict(),
-                            "optimizer": self.opt.state_dict(), "args": vars(self.args),
-                            "rng": torch.get_rng_state(), **self.state}, f)
+                torch.save(ckpt, f)
         except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
             die(f"{self.path}: cannot save the checkpoint ({str(e)[:70]}); the last one is intact")
 
@@ -493,7 +598,8 @@ def get_args(argv=None):
     arg("--preset", choices=PRESETS, default="crammed", help="the paper's, or tiny: the CPU demo")
     for k in ("layers", "width", "heads", "ffn"):
         arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
-    arg("--micro-batch", type=int, help=f"sequences per forward pass ({MICRO_BATCH})")
+    arg("--micro-batch", type=int, help=f"sequences per forward pass (on a GPU: by its memory, "
+        f"{max(GPU_MICRO_BATCH.values())} from 40 GB; else {MICRO_BATCH})")
     arg("--batch-size", type=int, help=f"sequences per step at the end of the ramp ({BATCH_SIZE})")
     arg("--lr", type=float, help=f"peak learning rate ({LR})")
     arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
@@ -503,20 +609,36 @@ def get_args(argv=None):
     arg("--eval-every", type=float, default=0, help="seconds between held-out evaluations")
     arg("--eval-rows", type=int, default=2048, help="held-out rows for the loss and accuracy")
     arg("--save-every", type=float, default=1800, help="seconds between checkpoints")
-    arg("--resume", action="store_true", help="continue OUT/ckpt.pt exactly where it stopped")
+    arg("--resume", action="store_true", help="continue OUT/ckpt.pt, with the run's own settings")
     arg("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK], no training")
     arg("--ckpt", help="checkpoint for --fill (default: OUT/ckpt.pt)")
     args = ap.parse_args(argv)  # then the preset fills in what no flag gave
     vars(args).update({k: v for k, v in PRESETS[args.preset].items() if vars(args).get(k) is None})
-    if args.width % args.heads or args.ffn % 2 or args.batch_size < args.micro_batch:
-        ap.error("--width must divide by --heads, --ffn be even, --batch-size >= --micro-batch")
+    if args.width % args.heads or args.ffn % 2:
+        ap.error("--width must divide by --heads, and --ffn be even")
+    if args.micro_batch and args.batch_size < args.micro_batch:
+        ap.error("--batch-size must be at least --micro-batch")
+    if not args.lr > 0:  # nan too
+        ap.error(f"--lr {args.lr}: the learning rate must be a positive number")
     args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
     return args
 
 
+def pick_device(name):
+    """--device, or cuda where there is one; a device this machine lacks is one line, not a
+    traceback from deep in torch ('--device cuda:1' on a one-GPU machine is a common slip)."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch.empty(0, device=device)  # raises where the device is not there
+    except (RuntimeError, AssertionError):  # AssertionError: a torch built without CUDA
+        die(f"--device {name}: not a device of this machine (it has the CPU and "
+            f"{torch.cuda.device_count()} CUDA GPUs)")
+    return device
+
+
 def setup(args):
     """(rank, world, device): under torchrun each process takes its own GPU and joins the group."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(args.device)
     if "RANK" not in os.environ:
         return 0, 1, device
     if device.type == "cuda":
@@ -527,25 +649,13 @@ def setup(args):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def stop(signum, frame):
-    """Ctrl-C or SIGTERM: said at once, for a step of the paper's model on a CPU takes minutes."""
-    print(f"signal {signum}: the run stops after this step and saves", flush=True)
-    STOP.append(signum)
-
-
 @entry
 def main(argv=None):
     args = get_args(argv)
     rank, world, device = setup(args)
     if args.fill:
         return fill(args, device)
-    STOP.clear()  # Ctrl-C and SIGTERM save and stop after this step; then the caller's handlers
-    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return Trainer(args, rank, world, device).train()
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+    return Trainer(args, rank, world, device).train()
 
 
 if __name__ == "__main__":

@@ -11,22 +11,37 @@ import mmap, multiprocessing, os, pathlib, re, signal, sys, threading, time, uni
 from collections import Counter, defaultdict, deque, namedtuple
 from concurrent.futures import ThreadPoolExecutor
 
+
+# Ctrl-C while the modules load (numpy here; torch, seconds long, in cram.py and glue.py, which
+# import prepare first) is entry's one line and exit 130, not a KeyboardInterrupt traceback: entry
+# is not running yet. Only for the scripts: importing prepare (pytest, a notebook) keeps Python's.
+def interrupted_at_start(signum, frame):
+    print("error: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)  # at once: nothing is written yet
+
+
+if os.path.basename(sys.argv[0]) in ("prepare.py", "cram.py", "glue.py"):
+    signal.signal(signal.SIGINT, interrupted_at_start)  # until `entry` gives it back to Python
+
 import numpy as np, requests, tiktoken
 
 # ----------------------------------------------------------------------------- the recipe
 VOCAB_SIZE = 32768  # the paper's vocabulary, special tokens included
 SEQ_LEN = 128       # the paper's row length: short rows are what make one day enough
 TRASH = 0.3         # the paper: keep a document only if it has fewer tokens than 0.3 x characters
-SAMPLE_MB = 100     # the tokenizer learns from this much text: more barely changes the merges
+SAMPLE_MB = 100     # text the tokenizer learns from: half as much (C4, 32768 tokens) gives 90% of
+                    # the same tokens, and 0.2% more tokens on held-out text
 SPECIALS = ["[PAD]", "[CLS]", "[SEP]", "[MASK]"]  # they take the last ids of the vocabulary
 # GPT-2 style pre-tokenisation that Python's `re` (training) and tiktoken (encoding) split alike
 PATTERN = r"""'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+"""
-VAL_EVERY, VAL_CAP = 200, 1 << 20  # every 200th document is held out, up to ~1M tokens
+VAL_EVERY = 200     # every 200th document is held out, so validation is spread over the text
+VAL_CAP = 1 << 20   # up to ~1 M tokens (0.02% of 5.5 B): 4x what cram.py validates on, by default
 SHARDS = 33         # C4 shards (~0.17 B tokens each) for the paper's 5.5 B tokens; see the README
 C4_URL = ("https://huggingface.co/datasets/allenai/c4/resolve/main/en/"
           "c4-train.{i:05d}-of-01024.json.gz")
 JOB_BYTES = 1 << 20  # text per worker job: big enough to hide the hand-over, small enough for RAM
-RETRIES, BACKOFF = 5, 2.0  # download attempts and the first wait (s), doubling: ~30 s of trouble
+RETRIES = 5         # download attempts, with waits of 2, 4, 8, 16 s: ~30 s of network trouble
+BACKOFF = 2.0       # the first of those waits (s)
 
 
 # ----------------------------------------------------------------------------- cleaning
@@ -38,7 +53,7 @@ def normalize(text):
 
 
 # ----------------------------------------------------------------------------- reading, in workers
-def records(f, is_json):
+def read_records(f, is_json):
     """A file's records, as bytes: each line of a .json* file, each paragraph of a .txt file."""
     lines = (line.strip() for line in f)
     if is_json:
@@ -49,10 +64,12 @@ def records(f, is_json):
 def jobs(files):
     """Jobs of (is_json, records), ~JOB_BYTES of one file each: the same for any worker count."""
     for path in files:
-        is_json, job, size = ".json" in os.path.basename(path), [], 0
-        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+        is_json = ".json" in os.path.basename(path)
+        job, size = [], 0
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rb") as f:
             try:
-                for record in records(f, is_json):
+                for record in read_records(f, is_json):
                     job.append(record)
                     size += len(record)
                     if size >= JOB_BYTES:
@@ -64,11 +81,11 @@ def jobs(files):
             yield is_json, job
 
 
-def texts(is_json, raws):
+def texts(is_json, records):
     """Each record's normalised text, or None for a bad record (broken JSON or UTF-8, no text)."""
-    for raw in raws:
+    for record in records:
         try:
-            text = json.loads(raw).get("text") if is_json else raw.decode("utf-8")
+            text = json.loads(record).get("text") if is_json else record.decode("utf-8")
         except (ValueError, AttributeError):  # AttributeError: JSON that is not an object
             text = None
         yield (normalize(text) or None) if isinstance(text, str) else None
@@ -95,9 +112,14 @@ def worker_tokenizer(rank_file, pattern):
 def encode_job(job, rank_file, pattern):
     """In a worker: a Doc for each record of a job, None for a bad one."""
     enc = worker_tokenizer(rank_file, pattern)
-    return [Doc(hashlib.blake2b(text.encode(), digest_size=8).digest(), len(text),
-                np.array(enc.encode_ordinary(text), np.uint16)) if text else None
-            for text in texts(*job)]
+    docs = []
+    for text in texts(*job):
+        if text is None:
+            docs.append(None)
+            continue
+        key = hashlib.blake2b(text.encode(), digest_size=8).digest()  # pack finds duplicates by it
+        docs.append(Doc(key, len(text), np.array(enc.encode_ordinary(text), np.uint16)))
+    return docs
 
 
 def in_order(pool, fn, extra, files, workers):
@@ -114,64 +136,74 @@ def in_order(pool, fn, extra, files, workers):
 # ----------------------------------------------------------------------------- the tokenizer
 def train_bpe(counts, n_vocab):
     """Byte-level BPE: merge the most frequent adjacent pair into a new token (ties: the smaller
-    pair), again and again. A word is a str, a chr(id) per token, so a merge is a str.replace:
+    pair), again and again. A word (a pre-tokenised chunk) is a str, a chr(id) per token, so a
+    pair is a 2-char str and a merge is a str.replace:
     {' cat': 3, ' hat': 2} has pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha' 2; 'at' becomes
     chr(256): [' c\u0100', ' h\u0100'], vocab[256] = b'at', new pairs 'c\u0100' 3, 'h\u0100' 2.
-    After each merge: pairs[q] counts q in the words times their frequencies; where[q] has every
-    word with q (and some that had it); the heap has (-pairs[q], q) for every q, and stale ones."""
-    words, freq = ["".join(map(chr, w.encode())) for w in counts], list(counts.values())
-    pairs, where = defaultdict(int), defaultdict(set)
-    for i, w in enumerate(words):
-        for j in range(len(w) - 1):
-            pairs[w[j:j + 2]] += freq[i]
-            where[w[j:j + 2]].add(i)
-    heap = [(-c, p) for p, c in pairs.items()]  # 2-char strs order like pairs of ids
+    minbpe counts every pair of every word again at each merge; an index from each pair to the
+    words that hold it avoids that: a merge visits only its pair's words and updates the counts."""
+    words = ["".join(map(chr, word.encode())) for word in counts]
+    freqs = list(counts.values())  # freqs[i]: how often words[i] is in the text
+    pair_counts = defaultdict(int)  # a pair's count in the words, times their freqs
+    words_with = defaultdict(set)  # a pair -> the words that hold it (and some that did)
+    for i, word in enumerate(words):
+        for j in range(len(word) - 1):
+            pair_counts[word[j:j + 2]] += freqs[i]
+            words_with[word[j:j + 2]].add(i)
+    # (-count, pair): heapq pops the smallest, so the most frequent pair, and of a tie the smaller
+    # (2-char strs order like pairs of ids); a changed count is pushed anew, the old entry stays
+    heap = [(-count, pair) for pair, count in pair_counts.items()]
     heapq.heapify(heap)
-    vocab = [bytes([b]) for b in range(256)]
+    vocab = [bytes([b]) for b in range(256)]  # vocab[id]: the token's bytes
     progress = Progress("tokenizer", n_vocab - 256, "merges")
     while len(vocab) < n_vocab and heap:
-        c, p = heapq.heappop(heap)
-        if -c != pairs.get(p):
-            continue  # stale heap entry
-        if -c < 2:
+        minus_count, pair = heapq.heappop(heap)
+        if -minus_count != pair_counts.get(pair):
+            continue  # a stale entry: the pair's count has changed since
+        if -minus_count < 2:
             break  # nothing left that repeats: a smaller vocabulary is all this text supports
-        new, delta = chr(len(vocab)), defaultdict(int)
-        vocab.append(vocab[ord(p[0])] + vocab[ord(p[1])])
-        for i in where.pop(p):
-            w, f = words[i], freq[i]
-            out = w.replace(p, new)
-            if len(out) == len(w):
-                continue  # `where` still names chunks that an earlier merge took the pair from
-            for j in range(len(w) - 1):
-                delta[w[j:j + 2]] -= f
-            for j in range(len(out) - 1):
-                q = out[j:j + 2]
-                delta[q] += f
-                if new in q:
-                    where[q].add(i)
-            words[i] = out
-        for q, d in delta.items():
-            if d:  # a pair down to 0 (p among them) stays: it never comes back
-                pairs[q] += d
-                heapq.heappush(heap, (-pairs[q], q))
+        token = chr(len(vocab))  # the merged pair's id, as a char
+        vocab.append(vocab[ord(pair[0])] + vocab[ord(pair[1])])
+        changes = defaultdict(int)  # what this merge adds to each pair's count
+        for i in words_with.pop(pair):
+            word, freq = words[i], freqs[i]
+            merged = word.replace(pair, token)
+            if len(merged) == len(word):
+                continue  # an earlier merge took the pair from this word: the index is not pruned
+            for j in range(len(word) - 1):
+                changes[word[j:j + 2]] -= freq
+            for j in range(len(merged) - 1):
+                pair_after = merged[j:j + 2]
+                changes[pair_after] += freq
+                if token in pair_after:
+                    words_with[pair_after].add(i)
+            words[i] = merged
+        for changed_pair, change in changes.items():
+            if change:  # a pair down to 0 (`pair` among them) stays: it never comes back
+                pair_counts[changed_pair] += change
+                heapq.heappush(heap, (-pair_counts[changed_pair], changed_pair))
         progress(len(vocab) - 256)
-    return {b: i for i, b in enumerate(vocab)}
+    return {token_bytes: i for i, token_bytes in enumerate(vocab)}
 
 
 def load_tokenizer(tok):
     """tiktoken.Encoding from the dict in meta.json / checkpoints; its "ranks" are the text of a
-    rank file, a line per token: its bytes in base64, its id. 'IGNhdA== 1000': b' cat' is 1000."""
-    vocab = {base64.b64decode(b64): int(i) for b64, i in map(str.split, tok["ranks"].splitlines())}
+    rank file, a line per token: its bytes in base64, its id. 'IGNhdA== 1000': b' cat' is 1000.
+    A rank is tiktoken's word for a token's id: lower ranks merge first, as train_bpe made them."""
+    lines = map(str.split, tok["ranks"].splitlines())
+    vocab = {base64.b64decode(b64): int(rank) for b64, rank in lines}
     return tiktoken.Encoding("cram", pat_str=tok["pattern"], mergeable_ranks=vocab,
                              special_tokens=tok.get("special_tokens", {}))
 
 
 def train_tokenizer(pool, files, args):
     """A BPE of --vocab-size tokens from the first --sample-mb of text, in whole jobs."""
-    counts, chars, progress = Counter(), 0, Progress("tokenizer sample", args.sample_mb, "MB")
-    for part, n in in_order(pool, count_chunks, (), files, args.workers):
-        counts.update(part)
-        chars += n
+    counts = Counter()
+    chars = 0
+    progress = Progress("tokenizer sample", args.sample_mb, "MB")
+    for job_counts, job_chars in in_order(pool, count_chunks, (), files, args.workers):
+        counts.update(job_counts)
+        chars += job_chars
         progress(chars / 1e6)
         if chars >= args.sample_mb * 1e6:
             break
@@ -196,8 +228,11 @@ def close_rows(f, seq_len):
 def pack(pool, files, rank_file, tok, args):
     """Documents in order, exact duplicates and trash dropped, joined by [SEP] into rows: every
     VAL_EVERY-th into val.bin (and the first ones, until val has a row), the rest to train.bin."""
-    stats, seen, sep = Counter(), set(), np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
-    train, val = (open(os.path.join(args.out, f"{split}.bin"), "wb") for split in ("train", "val"))
+    stats = Counter()
+    seen = set()  # the kept documents' keys
+    sep = np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
+    train = open(os.path.join(args.out, "train.bin"), "wb")
+    val = open(os.path.join(args.out, "val.bin"), "wb")
     progress = Progress("encode", 0, "MB of text")
     for docs in in_order(pool, encode_job, (rank_file, tok["pattern"]), files, args.workers):
         to_train, to_val = [], []  # one write per job, of its documents each followed by [SEP]
@@ -210,8 +245,8 @@ def pack(pool, files, rank_file, tok, args):
                 stats.update(trash=1, trash_chars=doc.chars)
             else:
                 seen.add(doc.key)
-                held = stats["documents"] % VAL_EVERY == 0 or stats["val_tokens"] < args.seq_len
-                if held and stats["val_tokens"] < VAL_CAP:
+                held_out = stats["documents"] % VAL_EVERY == 0 or stats["val_tokens"] < args.seq_len
+                if held_out and stats["val_tokens"] < VAL_CAP:
                     to_val += [doc.ids, sep]
                     stats["val_tokens"] += len(doc.ids) + 1
                 else:
@@ -229,18 +264,26 @@ def write_data(args, tok, pool, fetcher, stop):
     tok = tok or train_tokenizer(pool, args.input or c4_pass(), args)
     rank_file = os.path.join(args.out, "tokenizer.tiktoken")  # each worker reads it once
     pathlib.Path(rank_file).write_text(tok["ranks"])
-    train, val, stats = pack(pool, args.input or c4_pass(), rank_file, tok, args)
+    train_rows, val_rows, stats = pack(pool, args.input or c4_pass(), rank_file, tok, args)
     if not stats["documents"] and stats["trash"]:
         die(f"the trash filter dropped all {stats['trash']:,} documents (at least "
             f"{args.trash:g} tokens per character); raise --trash")
-    if not train or not val:
+    if not train_rows or not val_rows:
         die(f"too little data for a train and a val row of {args.seq_len} tokens; give more text")
-    meta = {"vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS), "seq_len": args.seq_len,
-            "special_tokens": tok["special_tokens"], "pattern": tok["pattern"],
-            "train": {"rows": train}, "val": {"rows": val}, "trash": args.trash,
-            "filters": {k: stats[k] for k in ("bad_lines", "duplicates", "trash", "trash_chars")},
-            **{k: stats[k] for k in ("documents", "characters", "tokens")},
-            "sources": args.input or [C4_URL.format(i=i) for i in range(args.shards)]}
+    filters = {k: stats[k] for k in ("bad_lines", "duplicates", "trash", "trash_chars")}
+    sources = args.input or [C4_URL.format(i=i) for i in range(args.shards)]
+    meta = {"vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS),
+            "seq_len": args.seq_len,
+            "special_tokens": tok["special_tokens"],
+            "pattern": tok["pattern"],
+            "train": {"rows": train_rows},
+            "val": {"rows": val_rows},
+            "trash": args.trash,
+            "filters": filters,
+            "documents": stats["documents"],
+            "characters": stats["characters"],
+            "tokens": stats["tokens"],
+            "sources": sources}
     with atomic(os.path.join(args.out, "meta.json"), "w") as f:  # the commit: now it is data
         json.dump(meta, f, indent=1)
     return meta
@@ -255,6 +298,8 @@ def entry(main):
     """Each script's one handler: Ctrl-C exits with 130, an OS error is one line naming the file."""
     @functools.wraps(main)
     def guarded(argv=None):
+        if signal.getsignal(signal.SIGINT) is interrupted_at_start:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's again, from here
         try:
             return main(argv)
         except KeyboardInterrupt:
@@ -267,20 +312,27 @@ def entry(main):
 
 class Progress:
     """A long step's progress line on stderr, at most every 2 s; `extra()` adds to it. 20 s in,
-    Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'."""
+    Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'.
+    The ETA waits SETTLE seconds: the first batches' rate is the warm-up's, not the run's."""
+    SETTLE = 5.0
 
     def __init__(self, what, total=0, unit=""):
-        self.what, self.total, self.unit = what, total, unit
-        self.t0 = self.last = time.time()
+        self.what, self.total, self.unit = what, total, unit  # total 0: a count, no ETA
+        self.start = self.last = time.time()  # `last`: when the last line was printed
 
     def __call__(self, done, extra=lambda: "", force=False):
-        if force or time.time() - self.last >= 2.0:
-            self.last, rate = time.time(), done / max(time.time() - self.t0, 1e-9)
-            n = "{:,.1f}" if isinstance(done, float) else "{:,}"  # MB with a decimal, counts whole
+        now = time.time()
+        if not force and now - self.last < 2.0:
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-9)
+        number = "{:,.1f}" if isinstance(done, float) else "{:,}"  # MB with a decimal, counts whole
+        total = f"/{number.format(self.total)}" if self.total else ""
+        line = f"{self.what}: {number.format(done)}{total} {self.unit}"
+        if self.total and now - self.start >= self.SETTLE:
             left = int((self.total - done) / max(rate, 1e-9))
-            eta = f"/{n.format(self.total)} {self.unit}, ETA {left // 60}:{left % 60:02d}"
-            line = f"{self.what}: {n.format(done)}{eta if self.total else ' ' + self.unit}"
-            print(f"{line}, {rate:,.1f} {self.unit}/s{extra()}", file=sys.stderr, flush=True)
+            line += f", ETA {left // 60}:{left % 60:02d}"
+        print(f"{line}, {rate:,.1f} {self.unit}/s{extra()}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -311,16 +363,17 @@ def read_prepared(folder):
         tok = {"ranks": pathlib.Path(path).read_text(), "pattern": meta["pattern"],
                "special_tokens": meta["special_tokens"]}
         load_tokenizer(tok)  # it must parse, and hold every token (a file cut at a line parses)
-        n = len(tok["ranks"].splitlines()) + len(tok["special_tokens"])
-        if n != meta["vocab_size"]:
-            raise ValueError(f"{n} tokens with the specials, meta.json says {meta['vocab_size']}")
+        n_vocab = len(tok["ranks"].splitlines()) + len(tok["special_tokens"])
+        if n_vocab != meta["vocab_size"]:
+            raise ValueError(f"{n_vocab} tokens with the specials, meta.json says "
+                             f"{meta['vocab_size']}")
         rows = {}
         for split in ("train", "val"):
             path = os.path.join(folder, f"{split}.bin")
             with open(path, "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            mm.madvise(mmap.MADV_RANDOM)  # random rows: no read-ahead, 6x faster cold (README)
-            rows[split] = np.frombuffer(mm, np.uint16).reshape(-1, meta["seq_len"])
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            mapped.madvise(mmap.MADV_RANDOM)  # random rows: no read-ahead, 6x faster cold (README)
+            rows[split] = np.frombuffer(mapped, np.uint16).reshape(-1, meta["seq_len"])
             if len(rows[split]) != meta[split]["rows"]:
                 raise ValueError(f"{len(rows[split])} rows, meta.json says {meta[split]['rows']}")
     except PermissionError:
@@ -341,38 +394,39 @@ def download(url, path, stop=None):
     stop = stop or threading.Event()
     for attempt in range(1, RETRIES + 1):
         try:
-            with requests.get(url, stream=True, timeout=(10, 60)) as r:
-                if 400 <= r.status_code < 500 and r.status_code != 429:  # will not get better
-                    die(f"download failed: {url}: HTTP {r.status_code}")
-                if r.status_code != 200:
-                    raise requests.HTTPError(f"HTTP {r.status_code}")
+            with requests.get(url, stream=True, timeout=(10, 60)) as response:
+                status = response.status_code
+                if 400 <= status < 500 and status != 429:  # will not get better
+                    die(f"download failed: {url}: HTTP {status}")
+                if status != 200:
+                    raise requests.HTTPError(f"HTTP {status}")
                 with open(path + ".part", "wb") as f:  # each try starts it from zero
-                    for block in r.iter_content(1 << 16):  # a cut transfer raises
+                    for block in response.iter_content(1 << 16):  # a cut transfer raises
                         if stop.is_set():
                             raise KeyboardInterrupt
                         f.write(block)
             os.replace(path + ".part", path)
             return path
         except (requests.RequestException, OSError) as e:  # no network, DNS, refused: a long story
-            err = "connection failed" if isinstance(e, requests.ConnectionError) else str(e)[:200]
+            cause = "connection failed" if isinstance(e, requests.ConnectionError) else str(e)[:200]
         wait = BACKOFF * 2 ** (attempt - 1)
         if attempt < RETRIES:
-            print(f"download {url}: {err} (attempt {attempt} of {RETRIES}); waiting {wait:g}s",
+            print(f"download {url}: {cause} (attempt {attempt} of {RETRIES}); waiting {wait:g}s",
                   file=sys.stderr, flush=True)
             if stop.wait(wait):  # Ctrl-C in the main thread
                 raise KeyboardInterrupt
-    die(f"download failed: {url}: {err}")
+    die(f"download failed: {url}: {cause}")
 
 
 def c4_shards(out, count, fetcher, stop):
     """The first `count` C4 shards in order; shard i + 1 downloads (`fetcher`) while i is read."""
     path = os.path.join(out, "raw", "c4-train.{i:05d}.json.gz")
-    ahead = fetcher.submit(download, C4_URL.format(i=0), path.format(i=0), stop)
+    next_shard = fetcher.submit(download, C4_URL.format(i=0), path.format(i=0), stop)
     for i in range(1, count + 1):
-        done = ahead.result()  # a failed download raises its one-line error here
+        shard = next_shard.result()  # a failed download raises its one-line error here
         if i < count:
-            ahead = fetcher.submit(download, C4_URL.format(i=i), path.format(i=i), stop)
-        yield done
+            next_shard = fetcher.submit(download, C4_URL.format(i=i), path.format(i=i), stop)
+        yield shard
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -401,12 +455,16 @@ def main(argv=None):
     args = get_args(argv)
     if os.path.exists(os.path.join(args.out, "meta.json")):
         die(f"--out {args.out} holds prepared data (meta.json): choose another --out")
-    given, tok = read_prepared(args.tokenizer)[:2] if args.tokenizer else ({"trash": TRASH}, None)
-    args.trash = given["trash"] if args.trash is None else args.trash
+    tok = None  # trained here, unless --tokenizer names a prepared folder to take it from
+    if args.tokenizer:
+        tokenizer_meta, tok = read_prepared(args.tokenizer)[:2]
+    if args.trash is None:  # the paper's, or the --tokenizer folder's: its vocabulary's scale
+        args.trash = tokenizer_meta["trash"] if args.tokenizer else TRASH
     os.makedirs(args.out, exist_ok=True)
     # The pool before any thread (forking a threaded process is unsafe); workers ignore Ctrl-C
     with multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
-        fetcher, stop = ThreadPoolExecutor(1), threading.Event()  # downloads the next C4 shard
+        fetcher = ThreadPoolExecutor(1)  # downloads the next C4 shard
+        stop = threading.Event()
         try:
             meta = write_data(args, tok, pool, fetcher, stop)
         finally:  # then the pool is terminated
@@ -414,9 +472,9 @@ def main(argv=None):
             fetcher.shutdown(cancel_futures=True)
     print(f"{args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens; dropped: "
           f"{json.dumps(meta['filters'])}")
-    trash = meta["filters"]["trash"] / (meta["filters"]["trash"] + meta["documents"])
-    if trash > 0.01:  # the paper's rule drops few documents of normal text
-        print(f"the trash filter dropped {trash:.1%} of the documents: much trash? raise --trash")
+    dropped = meta["filters"]["trash"] / (meta["filters"]["trash"] + meta["documents"])
+    if dropped > 0.01:  # the paper's rule drops few documents of normal text
+        print(f"the trash filter dropped {dropped:.1%} of the documents: much trash? raise --trash")
     return meta
 
 

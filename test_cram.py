@@ -1,5 +1,5 @@
 """Tests for prepare.py, cram.py and glue.py: no network, tiny data made here; CUDA cases run where there is a GPU."""
-import base64, builtins, gzip, http.server, io, json, math, os, random, shutil, signal, socket, stat, subprocess, sys, threading, time, zipfile
+import argparse, base64, builtins, gzip, http.server, io, json, math, os, random, shutil, signal, socket, stat, subprocess, sys, threading, time, zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
@@ -469,6 +469,31 @@ def test_at_most_two_jobs_per_worker_in_flight(monkeypatch):
     assert pool.most == 6 and pool.out == 0
 
 
+def test_the_eta_waits_for_the_rate_to_settle(monkeypatch, capsys):
+    clock = [1000.0]
+    monkeypatch.setattr(prepare.time, "time", lambda: clock[0])
+    progress = prepare.Progress("SST-2", 1000, "ex")
+    clock[0] += 2.5  # a first batch slowed by the warm-up: its rate would say 2:33 left
+    progress(16)
+    assert capsys.readouterr().err == "SST-2: 16/1,000 ex, 6.4 ex/s\n"
+    clock[0] += 3.0  # 5.5 s in: the rate has settled
+    progress(600)
+    assert capsys.readouterr().err == "SST-2: 600/1,000 ex, ETA 0:03, 109.1 ex/s\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/<pid>/maps")
+@pytest.mark.parametrize("script, flags", [("prepare.py", ["--input", "/dev/stdin", "--out", "out"]),
+                                           ("cram.py", ["--data", "none", "--out", "out"]), ("glue.py", ["--ckpt", "none.pt"])])
+def test_ctrl_c_while_a_script_starts_is_one_line(tmp_path, script, flags):
+    """Ctrl-C while the modules load, before `entry` runs (torch's import takes seconds)."""
+    child = subprocess.Popen([sys.executable, os.path.join(HERE, script), *flags], cwd=tmp_path, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while child.poll() is None and "/numpy/" not in open(f"/proc/{child.pid}/maps").read():
+        time.sleep(0.005)  # until numpy loads: the child is importing, after prepare.py's first lines
+    child.send_signal(signal.SIGINT)
+    err = child.communicate(timeout=120)[1]
+    assert (child.returncode, err) == (130, "error: interrupted\n")
+
+
 # ----------------------------------------------------------------------------- cram.py
 TINY = ["--layers", "2", "--width", "64", "--heads", "2", "--ffn", "128", "--micro-batch", "8", "--batch-size", "16",
         "--device", "cpu", "--log-every", "0", "--eval-rows", "64"]
@@ -571,9 +596,9 @@ def test_what_a_newcomer_reads(tmp_path, data, capsys, monkeypatch):
     assert steps[-1]["elapsed"] >= 0.95 and all(r["left"] >= 0 for r in steps)  # at the end: 0 left
     progress = prepare.Progress("evaluate", 1030, "rows")
     progress(128, force=True)
-    assert capsys.readouterr().err.startswith("evaluate: 128/1,030 rows, ETA ")  # counts whole
+    assert capsys.readouterr().err.startswith("evaluate: 128/1,030 rows, ")  # counts whole
     prepare.Progress("encode", 105.0, "MB")(52.5, force=True)
-    assert capsys.readouterr().err.startswith("encode: 52.5/105.0 MB, ETA ")  # sizes keep a decimal
+    assert capsys.readouterr().err.startswith("encode: 52.5/105.0 MB, ")  # sizes keep a decimal
     big = tmp_path / "big"  # data of the paper's row length: the paper's model on a CPU is said to be slow
     prep(str(tmp_path), make_docs(200), "--seq-len", "128", name="big")
     monkeypatch.setattr(cram.Trainer, "train", lambda self: None)
@@ -633,10 +658,12 @@ def test_training_steps_learn_and_compile_once(tmp_path, data, device):
         cram.main(["--data", data, "--out", str(tmp_path), "--steps", "40", "--lr", "3e-3", *TINY,
                    "--device", device])
     log = records(str(tmp_path))
-    steps = [r for r in log if "tok_s" in r]
+    steps = [r for r in log if "loss" in r]
     assert len(steps) == 40 and all(math.isfinite(r["loss"]) for r in steps)
     assert steps[-1]["loss"] < steps[0]["loss"] - 1 and math.isfinite(log[-1]["val_loss"])
-    assert all(r["tok_s"] > 0 and r["mfu"] > 0 for r in steps)
+    compiled = device == "cuda"  # the first step's line gives the compilation time, not a rate
+    assert ("compiled" in steps[0]) == compiled and all("compiled" not in r for r in steps[1:])
+    assert all(r["tok_s"] > 0 and r["mfu"] > 0 for r in steps[compiled:])
     assert device == "cpu" or torch.backends.cuda.matmul.allow_tf32
 
 
@@ -743,7 +770,7 @@ def test_a_non_finite_step_stops_with_one_line(tmp_path, data, monkeypatch):
     monkeypatch.setattr(cram.F, "cross_entropy", lambda *a, **k: ce(*a, **k) * float("nan"))
     with pytest.raises(SystemExit) as e:  # no checkpoint yet, and --resume would repeat the step
         cram.main(["--data", data, "--out", str(tmp_path), "--steps", "100", *TINY])
-    assert str(e.value) == "error: loss not finite at step 0: rerun with a lower --lr in a new --out"
+    assert str(e.value) == "error: loss not finite at step 1: rerun with a lower --lr in a new --out"
 
 
 def test_clear_errors(tmp_path, data):
@@ -800,15 +827,15 @@ def test_a_run_killed_before_its_first_save_starts_again(tmp_path, data):
 def test_the_rate_counts_training_time_only(tmp_path, data, monkeypatch):
     real_save = cram.torch.save
 
-    def slow_save(obj, f):  # each checkpoint takes a second; a step of TINY takes milliseconds
-        time.sleep(1.0)
+    def slow_save(obj, f):  # each checkpoint takes two seconds; a step of TINY takes milliseconds
+        time.sleep(2.0)
         real_save(obj, f)
     monkeypatch.setattr(cram.torch, "save", slow_save)
     cram.main(["--data", data, "--out", str(tmp_path), "--steps", "4", "--save-every", "0", "--eval-every", "1e-9",
                *TINY])
     steps = [r for r in records(str(tmp_path)) if "tok_s" in r]
     assert len(steps) == 4  # a save and a validation between every two log lines, none in the rate:
-    assert all(r["tok_s"] > 16 * 32 / 1.0 for r in steps)  # 16 rows of 32 tokens in well under the save's second
+    assert all(r["tok_s"] > r["tokens"] / r["step"] / 1.0 for r in steps)  # a step in well under a save's 2 s
 
 
 def test_validation_masks_do_not_depend_on_the_micro_batch(tmp_path, data):
@@ -834,7 +861,7 @@ def test_out_folder_holds_a_run(tmp_path, data):
 
 @pytest.mark.parametrize("flags,msg", [
     (["--width", "65"], "--width must divide by --heads"), (["--ffn", "129"], "--ffn be even"),
-    (["--batch-size", "4"], "--batch-size >= --micro-batch"),
+    (["--batch-size", "4"], "--batch-size must be at least --micro-batch"),
     (["--fill"], "argument --fill: expected at least one argument"),
     (["--steps", "x"], "argument --steps: invalid int value")])
 def test_flags_that_cannot_work_are_refused(flags, msg, data, tmp_path, capsys):
@@ -1142,7 +1169,7 @@ def test_glue_finetune_learns_a_synthetic_task(tmp_path, capsys, one_thread, dev
     saved = json.load(open(tmp_path / "glue.json"))
     assert saved["results"]["SST-2"]["accuracy"] == res["SST-2"]["accuracy"] and saved["average"] is None
     cap = capsys.readouterr()  # progress lines go to stderr (prepare.Progress), the table to stdout
-    assert "SST-2 trial 1/1: 3,200/3,200 ex" in cap.err and "ex/s" in cap.err and "ETA" in cap.err
+    assert "SST-2 trial 1/1: 3,200/3,200 ex" in cap.err and "ex/s" in cap.err  # an ETA only after 5 s
     assert "loss " in cap.err and "crammed BERT v1" in cap.out and "ckpt.pt" in cap.out
     res = glue.main(common + ["--tasks", "RTE", "--epochs", "1", "--trials", "2", "--random-init"])
     assert set(json.load(open(tmp_path / "glue-random-init.json"))["results"]["RTE"]["trials"][1]) == {"accuracy"}
@@ -1287,6 +1314,92 @@ def test_glue_head_help_and_truncation_example(capsys):
     assert [glue.learning_rate(s, 20, 1.0) for s in (0, 1, 2)] == [0.0, 0.5, 1.0] and glue.learning_rate(11, 20, 1.0) == pytest.approx(0.5)
 
 
+# ----------------------------------------------------------------------------- GLUE at GPU speed
+def glue_rows(lengths, seq_len=128):
+    """Encoded one-sentence rows of these many letters (the byte tokenizer: one token each)."""
+    texts = [("x" * n, None, i % 2) for i, n in enumerate(lengths)]
+    return glue.encode(glue.load_tokenizer(tokenizer()), tokenizer()["special_tokens"], texts, seq_len)
+
+
+def test_glue_bucketed_padding_changes_no_output():
+    """fp32, eval mode: the logits of a batch padded to its bucket equal those cut to its longest row."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=260, seq_len=128, layers=2, width=64, heads=2, ffn=128, alibi=0.5)
+    model = glue.Classifier(Crammed(cfg), 3, pad=256).eval()
+    ids, _ = glue_rows([3, 38, 15])  # 5, 40 and 17 tokens with [CLS] and [SEP]
+    bucketed, trimmed = glue.bucket(ids, 256, glue.BUCKET), glue.bucket(ids, 256, 1)
+    assert bucketed.shape == (3, 64) and trimmed.shape == (3, 40) and torch.equal(trimmed, ids[:, :40])
+    with torch.no_grad():
+        assert torch.allclose(model(bucketed), model(trimmed), atol=1e-5, rtol=0)
+        assert torch.allclose(model(ids), model(trimmed), atol=1e-5, rtol=0)
+
+
+def test_glue_compiles_to_one_graph_and_an_epoch_has_at_most_four_lengths(one_thread):
+    """The CUDA path's shapes, on the CPU: the classifier is one graph (fullgraph: no length read
+    off the device), and the batches of one epoch have at most four lengths, so the compiled
+    model meets at most five shapes with the last, shorter batch, under dynamo's limit of 8."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=260, seq_len=128, layers=1, width=32, heads=2, ffn=64)
+    model = glue.Classifier(Crammed(cfg), 2, pad=256)
+    ids, _ = glue_rows([120] * 4 + [80] * 8 + [50] * 16 + [random.Random(i).randint(3, 20) for i in range(172)])
+    batches = [glue.bucket(ids[picked], 256, glue.BUCKET) for picked in torch.randperm(200).split(16)]
+    assert {b.shape[1] for b in batches} == {64, 96, 128} and len(batches[-1]) == 8
+    compiled = torch.compile(model, backend="eager", dynamic=False, fullgraph=True)
+    with torch._dynamo.config.patch(recompile_limit=5, fail_on_recompile_limit_hit=True):
+        for idx in batches:
+            compiled(idx).sum().backward()
+
+
+@CUDA
+def test_glue_fine_tuning_steps_never_wait_for_the_gpu(tmp_path, monkeypatch):
+    """After the first step (it compiles), a step copies pinned inputs and reads nothing off the
+    GPU: under sync debug mode "error" any wait raises. Reading the loss at the last step is one."""
+    class CheckSync:  # stands in for Progress, which reads the loss only at the last step here
+        def __init__(self, *args):
+            pass
+
+        def __call__(self, done, extra, force=False):
+            torch.cuda.set_sync_debug_mode(0 if force else "error")
+    monkeypatch.setattr(glue, "Progress", CheckSync)
+    make_ckpt(str(tmp_path / "ckpt.pt"))
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    train = glue_rows([10, 20] * 32, seq_len=64)  # one bucket (32 tokens), 4 batches an epoch
+    args = glue.get_args(["--ckpt", "unused", "--epochs", "3", "--lr", "1e-3"])
+    try:
+        scores = glue.finetune(ckpt, "SST-2", train, {"SST-2": train}, args, 0, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert 0 <= scores["SST-2"]["accuracy"] <= 100
+
+
+def test_glue_device_and_lr_are_refused_before_any_work(glue_run, capsys):
+    run, calls, tmp = glue_run
+    for device in ["cuda:99", "mps"]:
+        with pytest.raises(SystemExit, match=f"^error: --device {device}: not a device of this machine"):
+            run("--tasks", "RTE", "--device", device)
+    for lr in ["nan", "-0.001", "0"]:  # AdamW's ValueError traceback, or a run that learns nothing
+        with pytest.raises(SystemExit):
+            run("--tasks", "RTE", "--lr", lr)
+        assert f"error: argument --lr: {float(lr)} is not a positive number" in capsys.readouterr().err
+    assert calls == [] and not os.path.exists(tmp / "glue.json")
+
+
+def test_glue_full_disk_names_glue_json_and_keeps_the_earlier_one(glue_run, monkeypatch):
+    run, calls, tmp = glue_run
+    run("--tasks", "WNLI")
+    before = (tmp / "glue.json").read_bytes()
+
+    def full(data, f, **kwargs):  # a write to a full disk: an OSError that names no file
+        f.write('{"results": {')
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(glue.json, "dump", full)
+    with pytest.raises(SystemExit, match=f"^error: {tmp}/glue.json: not saved \\(No space left on device\\); "
+                                         "the earlier one, if any, is intact$"):
+        run("--tasks", "RTE")
+    assert (tmp / "glue.json").read_bytes() == before and not os.path.exists(tmp / "glue.json.tmp")
+
+
 def test_prepare_unwritable_out_is_one_line(tmp_path):
     src = write_jsonl(str(tmp_path / "a.jsonl"), make_docs(20))
     (tmp_path / "afile").write_text("")
@@ -1372,11 +1485,10 @@ def test_unwritable_outputs_are_found_at_start(glue_run, data, monkeypatch):
     run, calls, tmp = glue_run
     out, train_step = tmp / "run", cram.Trainer.train_step
 
-    def signalled_at_step_2(self, x):  # a run of 40 steps stopped by a signal after its second
-        result = train_step(self, x)
-        if self.state["step"] == 2:
-            cram.STOP.append(signal.SIGTERM)
-        return result
+    def signalled_at_step_2(self, lr, accum):  # a run of 40 steps stopped by a signal in its second
+        if self.state["step"] == 1:
+            self.signals.append(signal.SIGTERM)
+        return train_step(self, lr, accum)
     with monkeypatch.context() as m:
         m.setattr(cram.Trainer, "train_step", signalled_at_step_2)
         with pytest.raises(SystemExit):
@@ -1408,8 +1520,8 @@ def test_permission_denied_is_not_missing_or_damaged(tmp_path, data, monkeypatch
 
 
 def test_ctrl_c_in_the_final_validation_stops_at_once(tmp_path, data, monkeypatch, capsys):
-    """The validation at the end checks for a signal after each micro-batch, as training does after
-    each step: a CPU with 11,000 held-out rows would otherwise keep Ctrl-C waiting for long."""
+    """Once the final checkpoint is saved, Ctrl-C is Python's again: a CPU with 11,000 held-out rows
+    would otherwise keep it waiting for long. It ends as every Ctrl-C does: one line, exit 130."""
     decode, after = cram.Crammed.decode, []
 
     def signalled(self, hidden, positions):  # in evaluate (no grad), the first micro-batch sends SIGINT
@@ -1423,5 +1535,109 @@ def test_ctrl_c_in_the_final_validation_stops_at_once(tmp_path, data, monkeypatc
         cram.main(["--data", data, "--out", str(tmp_path), "--steps", "1", *TINY, "--micro-batch", "1"])
     assert e.value.code == 130 and len(after) == 1  # stopped after the micro-batch it was in
     assert not any("val_loss" in r for r in records(str(tmp_path)))  # no half-validation logged
-    assert "stopped by signal 2 at step 1" in capsys.readouterr().out
+    assert capsys.readouterr().err == "error: interrupted\n"
     assert cram.load_checkpoint(str(tmp_path / "ckpt.pt"))["step"] == 1
+
+
+# ----------------------------------------------------------------------------- the GPU's own settings
+def test_gated_mlp_as_two_products_is_the_same_function():
+    """The value and gate are two products with the halves of one weight (no concatenation in the
+    backward): the same parameters, keys and function as one product split after."""
+    torch.manual_seed(0)
+    mlp = cram.GatedMLP(ModelConfig(width=32, ffn=96))
+    assert list(mlp.state_dict()) == ["fc.weight", "out.weight"] and mlp.fc.weight.shape == (96, 32)
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    value, gate = mlp.fc(x).chunk(2, dim=-1)
+    split_after = mlp.out(value * torch.nn.functional.gelu(gate))
+    grads_split = torch.autograd.grad(split_after.square().sum(), [x, *mlp.parameters()])
+    two_products = mlp(x)
+    grads_two = torch.autograd.grad(two_products.square().sum(), [x, *mlp.parameters()])
+    torch.testing.assert_close(two_products, split_after, rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads_two, grads_split):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class FakeGPU:
+    total_memory = 0
+
+
+@pytest.mark.parametrize("gb,micro", [(141, 512), (80, 512), (40.1, 512), (24, 256), (16, 128)])
+def test_the_micro_batch_the_gpu_holds(monkeypatch, gb, micro):
+    gpu = FakeGPU()
+    gpu.total_memory = gb * 1e9
+    monkeypatch.setattr(cram.torch.cuda, "get_device_properties", lambda device: gpu)
+    size, why = cram.pick_micro_batch(torch.device("cuda"), 8192)
+    assert size == micro and f"the GPU has {gb:.0f} GB" in why
+    assert cram.pick_micro_batch(torch.device("cuda"), 64)[0] == min(micro, 64)  # never over --batch-size
+    assert cram.pick_micro_batch(torch.device("cpu"), 8192) == (128, "v2's")  # v2's on the CPU
+    assert cram.ramp(0.0, 8192, micro) == 1 and cram.ramp(0.6, 8192, micro) == 8192 // micro
+
+
+def test_a_chosen_micro_batch_is_said_and_kept_by_resume(tmp_path, data, capsys):
+    flags = [f for f in TINY if f not in ("--micro-batch", "8")]  # the preset's None: chosen here
+    args = cram.get_args(["--data", data, "--out", str(tmp_path), "--steps", "2", *flags])
+    args.micro_batch = None
+    cram.Trainer(args, 0, 1, torch.device("cpu")).train()
+    assert "micro-batch 16: v2's" in capsys.readouterr().out  # v2's 128, at most --batch-size 16
+    assert cram.load_checkpoint(str(tmp_path / "ckpt.pt"))["args"]["micro_batch"] == 16
+    assert args.micro_batch is None  # the caller's flags stay as given
+
+
+@pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                       ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                       ("NVIDIA RTX A6000", 155e12), ("NVIDIA GeForce RTX 4090", 165e12)])
+def test_mfu_divides_by_the_peak_of_the_gpu_it_runs_on(monkeypatch, name, peak):
+    monkeypatch.setattr(cram.torch.cuda, "get_device_name", lambda device: name)
+    assert cram.peak_flops(torch.device("cuda")) == (peak, f"MFU against the {name}'s dense bf16 peak, {peak / 1e12:.0f} TFLOP/s")
+
+
+def test_an_unknown_gpu_is_said_to_be_measured_against_the_h100(tmp_path, data, monkeypatch, capsys):
+    monkeypatch.setattr(cram.torch.cuda, "get_device_name", lambda device: "Tesla T4")
+    assert cram.peak_flops(torch.device("cuda"))[1].endswith("989 TFLOP/s (Tesla T4 is not in PEAK_FLOPS)")
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "2", *TINY])
+    out = capsys.readouterr().out
+    assert out.count("MFU against the H100's dense bf16 peak, 989 TFLOP/s (a CPU is not in PEAK_FLOPS)") == 1
+
+
+def test_the_first_step_that_compiles_says_so_without_a_rate(capsys):
+    """The first step of a compiled model includes the compilation: its line says how long that
+    took, and gives no tokens/s or MFU, which would read as a slowdown of hundreds of times."""
+    trainer = cram.Trainer.__new__(cram.Trainer)
+    trainer.args = argparse.Namespace(steps=100, time=60)
+    trainer.state, trainer.c = dict(step=1, seqs=16, elapsed=26.0), ModelConfig(seq_len=128)
+    trainer.world, trainer.peak, trainer.rank = 1, 989e12, 0
+    trainer.logf = io.StringIO()
+    window = dict(seconds=25.4, seqs=16, losses=[10.5])
+    trainer.log_steps(1e-3, 16, window, compiling=True)
+    line = capsys.readouterr().out
+    assert "| compiled in 25s |" in line and "tok/s" not in line and "mfu" not in line
+    assert json.loads(trainer.logf.getvalue())["compiled"] == 25.4
+    trainer.log_steps(1e-3, 16, dict(window, seconds=0.01), compiling=False)
+    assert "204,800 tok/s | mfu" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- nothing lost, round three
+def test_eval_rows_0_means_no_validation(tmp_path, data, capsys):
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "3", *TINY, "--eval-every", "1e-9",
+               "--eval-rows", "0"])
+    assert capsys.readouterr().out.count("--eval-rows 0: no validation") == 1  # said once, at start
+    log = records(str(tmp_path))
+    assert not any("val_loss" in r for r in log) and log[-1]["step"] == 3
+    assert cram.load_checkpoint(str(tmp_path / "ckpt.pt"))["step"] == 3
+
+
+@pytest.mark.parametrize("device", ["cuda:7", "mps", "nonsense"])
+def test_a_device_this_machine_lacks_is_one_line_before_the_data(tmp_path, device):
+    for script in (cram, glue):
+        flags = ["--data", str(tmp_path / "nowhere")] if script is cram else ["--ckpt", str(tmp_path / "none.pt")]
+        with pytest.raises(SystemExit) as e:
+            script.main([*flags, "--device", device])
+        assert str(e.value).startswith(f"error: --device {device}: not a device of this machine (it has the CPU")
+
+
+@pytest.mark.parametrize("lr", ["nan", "-0.001", "0"])
+def test_a_learning_rate_that_cannot_work_is_refused_in_one_line(tmp_path, data, lr, capsys):
+    with pytest.raises(SystemExit) as e:
+        cram.main(["--data", data, "--out", str(tmp_path), "--steps", "1", *TINY, "--lr", lr])
+    assert e.value.code == 2 and f"--lr {float(lr)}: the learning rate must be a positive number" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "log.jsonl")
