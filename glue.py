@@ -5,10 +5,10 @@
     python glue.py --ckpt out/ckpt.pt --random-init         # the "no pretraining" row"""
 import argparse, collections, json, math, os, pathlib, zipfile
 
-import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
-
 from prepare import Progress, atomic, die, download, entry, load_tokenizer, normalize
-from cram import Crammed, autocast, load_checkpoint, load_model
+
+import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
+from cram import Crammed, autocast, load_checkpoint, load_model, pick_device
 
 # ----------------------------------------------------------------------------- the "sane" recipe
 LR = 4e-5            # peak AdamW learning rate
@@ -20,6 +20,7 @@ WEIGHT_DECAY = 0.0   # none: five short epochs from a pretrained start
 DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretraining has none)
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
+BUCKET = 32          # on a GPU a batch is cut to a multiple of this: few shapes to compile
 SETTING = ["epochs", "lr", "batch_size", "max_train_samples", "trials"]  # results that compare
 
 Task = collections.namedtuple("Task", "zip a b label labels")  # columns of the texts and the label
@@ -49,7 +50,8 @@ REFERENCE = {  # the paper's rows, each with its GLUE score last
 def read_tsv(path, task):
     """[(text a, text b or None, label)] from a GLUE tsv file: tab separated, no quoting, lines
     split at \\n only (a stray \\r inside a text stays), MRPC's BOM dropped."""
-    t, rows = TASKS[task], []
+    t = TASKS[task]
+    rows = []
     try:
         lines = pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
     except UnicodeDecodeError as e:  # the line of the first bad byte
@@ -94,10 +96,10 @@ def encode(enc, specials, rows, seq_len):
     a = enc.encode_ordinary_batch([normalize(r[0]) for r in rows])
     b = enc.encode_ordinary_batch([normalize(r[1] or "") for r in rows])
     ids = torch.full((len(rows), seq_len), specials["[PAD]"])
-    for i, ((_, text_b, _), x, y) in enumerate(zip(rows, a, b)):
+    for i, ((_, text_b, _), tokens_a, tokens_b) in enumerate(zip(rows, a, b)):
         pair = text_b is not None
-        x, y = truncate(x, y, seq_len - 3 if pair else seq_len - 2)
-        row = [cls] + x + [sep] + (y + [sep] if pair else [])
+        tokens_a, tokens_b = truncate(tokens_a, tokens_b, seq_len - 3 if pair else seq_len - 2)
+        row = [cls] + tokens_a + [sep] + (tokens_b + [sep] if pair else [])
         ids[i, :len(row)] = torch.tensor(row)
     return ids, torch.tensor([r[2] for r in rows])
 
@@ -115,9 +117,21 @@ class Classifier(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx):  # encode_ordinary makes no [PAD]: it is only padding, at the end
-        idx = idx[:, :int((idx != self.pad).sum(1).max())]  # as long as the longest row only
+    def forward(self, idx):  # idx (B, T) cut by `bucket`: the model reads no length off the GPU
         return self.head(self.encoder(idx, idx != self.pad)[:, 0]).float()
+
+
+def bucket(rows, pad, multiple):
+    """Rows (B, seq_len) cut on the CPU to the longest row, rounded up to a multiple: rows of 5 and
+    40 tokens -> (B, 64) at 32, so that a compiled model meets 4 lengths: 32, 64, 96, 128. No
+    output changes: [PAD] comes only at the end (the tokenizer makes none) and no token sees it."""
+    longest = int((rows != pad).sum(1).max())
+    return rows[:, :min(math.ceil(longest / multiple) * multiple, rows.size(1))]
+
+
+def to_device(t, device):
+    """A CPU tensor onto the device; pinned, the copy to a GPU does not make the CPU wait."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def learning_rate(step, total, peak):
@@ -130,34 +144,44 @@ def learning_rate(step, total, peak):
 def finetune(ckpt, task, train, devs, args, trial, device):
     """Fine-tune a fresh copy of the checkpoint on one task; {dev split: {metric: value}}."""
     torch.manual_seed(args.seed + trial)  # the model's head, dropout and the order of examples
-    labels, pad = TASKS[task].labels, ckpt["tokenizer"]["special_tokens"]["[PAD]"]
+    labels = TASKS[task].labels
+    pad = ckpt["tokenizer"]["special_tokens"]["[PAD]"]
     encoder = load_model(ckpt, dropout=DROPOUT)
     if args.random_init:  # the same model from random weights: the "no pretraining" row
         encoder = Crammed(encoder.config)
     model = Classifier(encoder, 1 if labels is None else len(labels), pad).to(device)
+    # fused wherever torch has it, the CPU too: one kernel a tensor, not a dozen, the same update
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS,
-                            weight_decay=WEIGHT_DECAY, fused=True)  # 5x faster on CPUs too
+                            weight_decay=WEIGHT_DECAY, fused=True)
+    step_model, multiple = model, 1  # eager: cut to the longest row; padding only costs time
+    if device.type == "cuda" and not args.no_compile:  # compiled: a graph per bucket length
+        torch._dynamo.reset()  # dynamo keeps 8 graphs: one run's 4 lengths and last batch fit
+        step_model, multiple = torch.compile(model, dynamic=False, fullgraph=True), BUCKET
     ids, ys = train
     order = torch.cat([torch.randperm(len(ids)) for _ in range(args.epochs)])  # epoch by epoch
     steps = math.ceil(len(order) / args.batch_size)
     progress = Progress(f"{task} trial {trial + 1}/{args.trials}", len(order), "ex")
     for step, picked in enumerate(order.split(args.batch_size)):
         opt.param_groups[0]["lr"] = learning_rate(step, steps, args.lr)
-        y = ys[picked].to(device)
+        idx = to_device(bucket(ids[picked], pad, multiple), device)
+        y = to_device(ys[picked], device)
         with autocast(device):
-            out = model(ids[picked].to(device))
+            out = step_model(idx)
         loss = F.mse_loss(out[:, 0], y) if labels is None else F.cross_entropy(out, y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         done = min((step + 1) * args.batch_size, len(order))  # .item() waits: only when printed
         progress(done, lambda: f" | loss {loss.item():.4f}", force=step + 1 == steps)
-    model.eval()
-    with torch.no_grad(), autocast(device):  # each dev split, 128 rows at a time
-        outs = {split: torch.cat([model(x.to(device)).cpu() for x in ids.split(128)])
-                for split, (ids, _) in devs.items()}
-    preds = {split: out[:, 0] if labels is None else out.argmax(-1) for split, out in outs.items()}
-    return {split: score(task, preds[split].numpy(), ys.numpy()) for split, (_, ys) in devs.items()}
+    model.eval()  # the eager model: no more shapes to compile
+    scores = {}
+    with torch.no_grad(), autocast(device):
+        for split, (dev_ids, dev_ys) in devs.items():  # 128 rows at a time
+            out = torch.cat([model(to_device(bucket(rows, pad, multiple), device)).cpu()
+                             for rows in dev_ids.split(128)])
+            preds = out[:, 0] if labels is None else out.argmax(-1)
+            scores[split] = score(task, preds.numpy(), dev_ys.numpy())
+    return scores
 
 
 # ----------------------------------------------------------------------------- the metrics
@@ -233,19 +257,24 @@ def read_task(task, glue_dir):
     return {s: read_tsv(os.path.join(folder, f), task) for s, f in files.items()}
 
 
-def save_results(path, mine, run):
-    """glue.json with this run's splits merged in (a rerun replaces a task's) and averaged with the
-    splits of the same `run` (checkpoint and setting): -> (glue.json's data, those splits)."""
+def save_results(path, results, run_id):
+    """glue.json with these results merged in (a rerun replaces a task's splits) and averaged over
+    the splits of the same run_id (checkpoint and setting): -> (glue.json's data, those splits)."""
     try:
         data = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else {}
     except ValueError as e:  # left as it is: it may hold days of results
         die(f"{path}: damaged ({type(e).__name__}: {e}); move it away, then run again")
-    data.setdefault("results", {}).update(mine)
-    same = {split: r for split, r in data["results"].items() if r.get("run") == run}
-    data["average"] = glue_score(same)[0]
-    with atomic(path, "w") as f:
-        json.dump(data, f, indent=1)
-    return data, same
+    data.setdefault("results", {}).update(results)
+    comparable = {s: r for s, r in data["results"].items() if r.get("run") == run_id}
+    data["average"] = glue_score(comparable)[0]
+    try:
+        with atomic(path, "w") as f:
+            json.dump(data, f, indent=1)
+    except OSError as e:  # a full disk fails in write or fsync, which name no file
+        if e.filename:  # glue.json.tmp could not be made: entry names it
+            raise
+        die(f"{path}: not saved ({e.strerror or e}); the earlier one, if any, is intact")
+    return data, comparable
 
 
 def get_args(argv):
@@ -262,8 +291,11 @@ def get_args(argv):
     arg("--trials", type=int, default=TRIALS, help="runs; median reported (default: %(default)s)")
     arg("--max-train-samples", type=int, help="fine-tune on the first N training examples only")
     arg("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
+    arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
     arg("--random-init", action="store_true", help="no pretraining; into glue-random-init.json")
     args = ap.parse_args(argv)
+    if not 0 < args.lr < math.inf:  # nan and inf too
+        ap.error(f"argument --lr: {args.lr} is not a finite number above 0")
     known = {t.lower(): t for t in TASKS}  # any case: sst-2, SST-2 and Sst-2 are SST-2
     if not set(args.tasks.lower().split(",")) <= set(known):
         die(f"--tasks {args.tasks}: name one or more of {','.join(TASKS)}")
@@ -271,32 +303,12 @@ def get_args(argv):
     return args
 
 
-@entry
-def main(argv=None):
-    args = get_args(argv)
-    ckpt = load_checkpoint(args.ckpt)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    out = os.path.join(os.path.dirname(args.ckpt),
-                       "glue-random-init.json" if args.random_init else "glue.json")
-    mine, run = {}, {"checkpoint": {"step": ckpt.get("step"), "elapsed": ckpt.get("elapsed")},
-                     "setting": {k: vars(args)[k] for k in SETTING}}  # done; what averages mix
-    data = {t: read_task(t, args.glue_dir) for t in args.tasks}  # all files read, then training
-    save_results(out, {}, run)  # a damaged glue.json or a folder that takes no file: said now
-    enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
-    seq_len = ckpt["model_config"]["seq_len"]
-    for task, rows in data.items():  # --max-train-samples None: all the training examples
-        train = encode(enc, specials, rows.pop("train")[:args.max_train_samples], seq_len)
-        devs = {s: encode(enc, specials, r, seq_len) for s, r in rows.items()}
-        runs = [finetune(ckpt, task, train, devs, args, k, device) for k in range(args.trials)]
-        for split in devs:  # the median of each metric, then the trials and the settings
-            trials = [r[split] for r in runs]
-            mine[split] = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}
-            mine[split].update(trials=trials, settings=vars(args), run=run)
-        saved, same = save_results(out, mine, run)  # after every task: a long run keeps them
-    avg, numbers = glue_score(same)  # our row, then the paper's; -: not run
-    other = sorted(set(saved["results"]) - set(same))
-    if other:
-        print(f"{out}: left out {', '.join(other)}: another checkpoint or setting than this run's")
+def print_table(args, out, saved, comparable):
+    """Our row, then the paper's; -: not run."""
+    avg, numbers = glue_score(comparable)
+    others = sorted(set(saved["results"]) - set(comparable))
+    if others:
+        print(f"{out}: left out {', '.join(others)}: another checkpoint or setting than this run's")
     ours = "random init" if args.random_init else os.path.basename(args.ckpt)
     table = {ours: [numbers.get(s) for s in COLUMNS] + [avg], **REFERENCE}
     print(f"\nours: the median of {args.trials} trial(s) per task; the paper's: of 5 (--trials 5)")
@@ -304,6 +316,32 @@ def main(argv=None):
     for label, values in table.items():
         print(f"{label:29s}" + "".join("       -" if v is None else f"{v:8.1f}" for v in values))
     print(f"wrote {out}")
+
+
+@entry
+def main(argv=None):
+    args = get_args(argv)
+    device = pick_device(args.device)
+    ckpt = load_checkpoint(args.ckpt)
+    out = os.path.join(os.path.dirname(args.ckpt),
+                       "glue-random-init.json" if args.random_init else "glue.json")
+    run_id = {"checkpoint": {"step": ckpt.get("step"), "elapsed": ckpt.get("elapsed")},
+              "setting": {k: vars(args)[k] for k in SETTING}}  # what averages may mix
+    data = {t: read_task(t, args.glue_dir) for t in args.tasks}  # all files read, then training
+    save_results(out, {}, run_id)  # a damaged glue.json or a folder that takes no file: said now
+    enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
+    seq_len = ckpt["model_config"]["seq_len"]
+    results = {}
+    for task, rows in data.items():  # --max-train-samples None: all the training examples
+        train = encode(enc, specials, rows.pop("train")[:args.max_train_samples], seq_len)
+        devs = {s: encode(enc, specials, r, seq_len) for s, r in rows.items()}
+        runs = [finetune(ckpt, task, train, devs, args, k, device) for k in range(args.trials)]
+        for split in devs:  # the median of each metric, then the trials and the settings
+            trials = [r[split] for r in runs]
+            results[split] = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}
+            results[split].update(trials=trials, settings=vars(args), run=run_id)
+        saved, comparable = save_results(out, results, run_id)  # after every task: none lost
+    print_table(args, out, saved, comparable)
     return saved["results"]
 
 

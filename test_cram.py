@@ -1378,10 +1378,10 @@ def test_glue_device_and_lr_are_refused_before_any_work(glue_run, capsys):
     for device in ["cuda:99", "mps"]:
         with pytest.raises(SystemExit, match=f"^error: --device {device}: not a device of this machine"):
             run("--tasks", "RTE", "--device", device)
-    for lr in ["nan", "-0.001", "0"]:  # AdamW's ValueError traceback, or a run that learns nothing
+    for lr in ["nan", "-0.001", "0", "inf"]:  # AdamW's ValueError traceback, or a run of nan or nothing
         with pytest.raises(SystemExit):
             run("--tasks", "RTE", "--lr", lr)
-        assert f"error: argument --lr: {float(lr)} is not a positive number" in capsys.readouterr().err
+        assert f"error: argument --lr: {float(lr)} is not a finite number above 0" in capsys.readouterr().err
     assert calls == [] and not os.path.exists(tmp / "glue.json")
 
 
