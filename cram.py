@@ -65,8 +65,7 @@ class Attention(nn.Module):
 
     def __init__(self, c):
         super().__init__()
-        self.heads = c.heads
-        self.dropout = c.dropout
+        self.heads, self.dropout = c.heads, c.dropout
         self.qkv = nn.Linear(c.width, 3 * c.width, bias=False)
         self.proj = nn.Linear(c.width, c.width, bias=False)
         self.drop = nn.Dropout(c.dropout)
@@ -129,8 +128,7 @@ class Crammed(nn.Module):
         self.config = c
         self.emb = nn.Embedding(c.vocab_size, c.width)
         self.register_buffer("sinusoid", sinusoid(c.seq_len, c.width), persistent=False)
-        # scaled sinusoidal positions: a fixed table, but a learned scale lets the model choose how
-        # loud positions are beside the tokens (v2's "scaled-sinusoidal", starting at width^-0.5)
+        # v2's scaled sinusoidal positions: a learned scale sets how loud they are beside the tokens
         self.pos_scale = nn.Parameter(torch.tensor(c.width ** -0.5))
         self.emb_ln = nn.LayerNorm(c.width, eps=LN_EPS)
         self.drop = nn.Dropout(c.dropout)
@@ -303,8 +301,7 @@ def build(c, args, device, world=1):
     decay = [p for p in raw.parameters() if p not in norms]  # v2: all but biases and norms
     rest = [p for p in raw.parameters() if p in norms]  # in a fixed order, for --resume
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0}]
-    # fused: one kernel for all the weights on a GPU; the CPU keeps the for-each AdamW, whose
-    # steps the README's CPU figures were measured with
+    # fused on a GPU: one kernel for all the weights (the CPU keeps the README's for-each steps)
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
     model = raw
     if device.type == "cuda":
@@ -345,8 +342,8 @@ class Trainer:
         os.makedirs(args.out, exist_ok=True)
         if rank == 0:  # a new run replaces the log of one that died before its first checkpoint
             self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
-        chosen = args.micro_batch is None
-        if chosen:
+        why = "your --micro-batch"
+        if args.micro_batch is None:
             args.micro_batch, why = pick_micro_batch(device, args.batch_size)
         self.args = args
         self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
@@ -354,7 +351,16 @@ class Trainer:
         self.model, self.raw, self.opt = build(self.c, args, device, world)
         self.compiles = device.type == "cuda" and not args.no_compile  # at the first step
         self.peak, mfu_line = peak_flops(device)
-        self.describe(mfu_line, f"micro-batch {args.micro_batch}: {why}" if chosen else "")
+        n = sum(p.numel() for p in self.raw.parameters())
+        budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
+        self.log(f"crammed BERT {self.c.layers} x {self.c.width}: {n / 1e6:.1f} M parameters, "
+                 f"{flops_per_token(self.c) / 1e9:.3f} GFLOP/token | budget {budget} | peak lr "
+                 f"{args.lr} | batch ramps to {args.batch_size} on {device}\nmicro-batches of "
+                 f"{args.micro_batch} x {world} ({why})\n{mfu_line}")
+        if device.type == "cpu" and self.c == ModelConfig(self.c.vocab_size):  # a laptop, say
+            self.log("a CPU trains the paper's model at 240 to 360 tok/s (2 cores, measured), "
+                     "1/2000 of a GPU's pace; the README's CPU demo learns in minutes: "
+                     "--preset tiny")
         self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *data_position)
         self.val, self.specials = rows["val"][:args.eval_rows], self.tok["special_tokens"]
         if not len(self.val):
@@ -366,23 +372,6 @@ class Trainer:
             self.log(f"resumed at step {self.state['step']} with the run's own settings {run}")
             self.save()  # now: a folder that takes no file, or a full disk, is found before a step
 
-    def describe(self, mfu_line, micro_batch_choice):
-        """The first lines of the log: the model, the budget, the batch, what MFU divides by."""
-        args, c = self.args, self.c
-        n = sum(p.numel() for p in self.raw.parameters())
-        budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
-        self.log(f"crammed BERT {c.layers} x {c.width}: {n / 1e6:.1f} M parameters, "
-                 f"{flops_per_token(c) / 1e9:.3f} GFLOP/token | budget {budget} | batch ramps "
-                 f"to {args.batch_size} in micro-batches of {args.micro_batch} x {self.world} on "
-                 f"{self.device} | peak lr {args.lr}")
-        if micro_batch_choice:
-            self.log(micro_batch_choice)
-        self.log(mfu_line)
-        if self.device.type == "cpu" and c == ModelConfig(c.vocab_size):  # a laptop, say
-            self.log("a CPU trains the paper's model at 240 to 360 tok/s (2 cores, measured), "
-                     "1/2000 of a GPU's pace; the README's CPU demo learns in minutes: "
-                     "--preset tiny")
-
     def log(self, line="", **record):
         """A line, or a record: printed as one ('step 3 | loss 4.5000 | ...'), kept in log.jsonl."""
         if self.rank == 0:
@@ -391,14 +380,12 @@ class Trainer:
             if record:
                 print(json.dumps(record), file=self.logf, flush=True)
 
-    def on_signal(self, signum, frame):
-        """Ctrl-C or SIGTERM: said at once (a CPU step of the paper's model takes a minute)."""
+    def on_signal(self, signum, frame):  # said at once: a CPU step of the paper's model is slow
         print(f"signal {signum}: the run stops after this step and saves", flush=True)
         self.signals.append(signum)
 
     def train(self):
-        """The run: steps until the budget is used or a signal comes, the checkpoint, and with the
-        caller's Ctrl-C back (the checkpoint is safe), the final validation."""
+        """The loop, the checkpoint, then with the caller's Ctrl-C back, the final validation."""
         caller = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.loop()
@@ -490,10 +477,9 @@ class Trainer:
     def log_steps(self, lr, batch, window, compiling):
         """The log line of the steps since the last one, its record built field by field."""
         args, state, T = self.args, self.state, self.c.seq_len
-        record = dict(step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * T)
-        record["loss"] = sum(window["losses"]) / len(window["losses"])
-        record["lr"] = lr
-        record["batch"] = batch
+        loss = sum(window["losses"]) / len(window["losses"])
+        record = dict(step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * T, loss=loss,
+                      lr=lr, batch=batch)
         if compiling:  # the first step compiles the model: its rate would read as a 900x slowdown
             record["compiled"] = round(window["seconds"], 1)
         else:
@@ -501,10 +487,8 @@ class Trainer:
             record["tok_s"] = round(tok_s)
             record["mfu"] = flops_per_token(self.c) * tok_s / self.world / self.peak  # per GPU
         record["elapsed"] = round(state["elapsed"], 1)
-        if args.steps:  # at the pace so far
-            left = (args.steps - state["step"]) * state["elapsed"] / state["step"]
-        else:
-            left = args.time - state["elapsed"]
+        pace = state["elapsed"] / state["step"]  # seconds a step so far
+        left = (args.steps - state["step"]) * pace if args.steps else args.time - state["elapsed"]
         record["left"] = max(0.0, left)
         self.log(**record)
 
@@ -598,8 +582,7 @@ def get_args(argv=None):
     arg("--preset", choices=PRESETS, default="crammed", help="the paper's, or tiny: the CPU demo")
     for k in ("layers", "width", "heads", "ffn"):
         arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
-    arg("--micro-batch", type=int, help=f"sequences per forward pass (on a GPU: by its memory, "
-        f"{max(GPU_MICRO_BATCH.values())} from 40 GB; else {MICRO_BATCH})")
+    arg("--micro-batch", type=int, help="sequences per forward pass (default: by the GPU's memory)")
     arg("--batch-size", type=int, help=f"sequences per step at the end of the ramp ({BATCH_SIZE})")
     arg("--lr", type=float, help=f"peak learning rate ({LR})")
     arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
@@ -625,8 +608,7 @@ def get_args(argv=None):
 
 
 def pick_device(name):
-    """--device, or cuda where there is one; a device this machine lacks is one line, not a
-    traceback from deep in torch ('--device cuda:1' on a one-GPU machine is a common slip)."""
+    """--device, or cuda where there is one; one that this machine lacks (cuda:1?) is one line."""
     try:
         device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch.empty(0, device=device)  # raises where the device is not there

@@ -1,8 +1,7 @@
 """glue.py: fine-tune a crammed checkpoint on GLUE with the paper's "sane" recipe, print its table.
 
-    python glue.py --ckpt out/ckpt.pt                       # the eight tasks of the paper
-    python glue.py --ckpt out/ckpt.pt --tasks RTE,MRPC --trials 5
-    python glue.py --ckpt out/ckpt.pt --random-init         # the "no pretraining" row"""
+    python glue.py --ckpt out/ckpt.pt [--tasks RTE,MRPC --trials 5]  # default: the paper's 8 tasks
+    python glue.py --ckpt out/ckpt.pt --random-init                  # the "no pretraining" row"""
 import argparse, collections, json, math, os, pathlib, zipfile
 
 from prepare import Progress, atomic, die, download, entry, load_tokenizer, normalize
@@ -15,8 +14,7 @@ LR = 4e-5            # peak AdamW learning rate
 BATCH_SIZE = 16      # examples per optimizer step
 EPOCHS = 5           # the challenge allows at most 5, one recipe for every task
 WARMUP = 0.1         # linear warm-up over this fraction of the steps, then cosine decay to zero
-BETAS, EPS = (0.9, 0.98), 1e-6  # AdamW's betas, as in pretraining, and its epsilon
-WEIGHT_DECAY = 0.0   # none: five short epochs from a pretrained start
+BETAS, EPS, WEIGHT_DECAY = (0.9, 0.98), 1e-6, 0.0  # AdamW's; no decay: 5 epochs from pretraining
 DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretraining has none)
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
@@ -48,10 +46,8 @@ REFERENCE = {  # the paper's rows, each with its GLUE score last
 
 # ----------------------------------------------------------------------------- the examples
 def read_tsv(path, task):
-    """[(text a, text b or None, label)] from a GLUE tsv file: tab separated, no quoting, lines
-    split at \\n only (a stray \\r inside a text stays), MRPC's BOM dropped."""
-    t = TASKS[task]
-    rows = []
+    """[(text a, text b or None, label)] of a GLUE tsv: tabs, no quoting, lines cut at \\n only."""
+    t, rows = TASKS[task], []
     try:
         lines = pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
     except UnicodeDecodeError as e:  # the line of the first bad byte
@@ -75,12 +71,9 @@ def read_tsv(path, task):
 
 
 def truncate(a, b, room):
-    """Cut the longer of two token lists first until both fit in room ("longest first").
-
-    len(a)=100, len(b)=60, seq_len=128 -> room 125 ([CLS] a [SEP] b [SEP] takes 3); 160 > 125:
-    the shorter keeps min(60, 125 // 2) = 60 tokens and a keeps the other 65 -> (65, 60).
-    len(a)=100, len(b)=90 -> b keeps min(90, 62) = 62 and a keeps 63: both are cut.
-    A single sentence is a with b = [] and room seq_len - 2: a keeps its first room tokens."""
+    """Cut the longer of two token lists first until both fit in room ("longest first"). seq_len
+    128, room 125 ([CLS] a [SEP] b [SEP] takes 3): lengths (100, 60) -> the shorter keeps
+    min(60, 125 // 2) = 60, a the other 65; (100, 90) -> (63, 62). One sentence: b [], room 126."""
     if len(a) + len(b) <= room:
         return a, b
     short = min(len(a), len(b), room // 2)
@@ -90,8 +83,7 @@ def truncate(a, b, room):
 
 
 def encode(enc, specials, rows, seq_len):
-    """`[CLS] a [SEP] b [SEP]` (or `[CLS] a [SEP]`) rows padded to seq_len, and the labels. The
-    recipe's max length is the checkpoint's row length, seq_len (128): no flag for it."""
+    """`[CLS] a [SEP] b [SEP]` rows padded to the checkpoint's seq_len (no flag), and the labels."""
     cls, sep = specials["[CLS]"], specials["[SEP]"]
     a = enc.encode_ordinary_batch([normalize(r[0]) for r in rows])
     b = enc.encode_ordinary_batch([normalize(r[1] or "") for r in rows])
@@ -122,15 +114,13 @@ class Classifier(nn.Module):
 
 
 def bucket(rows, pad, multiple):
-    """Rows (B, seq_len) cut on the CPU to the longest row, rounded up to a multiple: rows of 5 and
-    40 tokens -> (B, 64) at 32, so that a compiled model meets 4 lengths: 32, 64, 96, 128. No
-    output changes: [PAD] comes only at the end (the tokenizer makes none) and no token sees it."""
+    """Rows cut on the CPU to the longest, rounded up to a multiple: 5 and 40 tokens -> 64 at 32,
+    so a compiled model meets 4 lengths. Outputs equal: [PAD] only at the end, no token sees it."""
     longest = int((rows != pad).sum(1).max())
     return rows[:, :min(math.ceil(longest / multiple) * multiple, rows.size(1))]
 
 
-def to_device(t, device):
-    """A CPU tensor onto the device; pinned, the copy to a GPU does not make the CPU wait."""
+def to_device(t, device):  # pinned, the copy to a GPU does not make the CPU wait
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
@@ -150,9 +140,8 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     if args.random_init:  # the same model from random weights: the "no pretraining" row
         encoder = Crammed(encoder.config)
     model = Classifier(encoder, 1 if labels is None else len(labels), pad).to(device)
-    # fused wherever torch has it, the CPU too: one kernel a tensor, not a dozen, the same update
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS,
-                            weight_decay=WEIGHT_DECAY, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, fused=True,
+                            weight_decay=WEIGHT_DECAY)  # fused: one kernel a tensor, on CPUs too
     step_model, multiple = model, 1  # eager: cut to the longest row; padding only costs time
     if device.type == "cuda" and not args.no_compile:  # compiled: a graph per bucket length
         torch._dynamo.reset()  # dynamo keeps 8 graphs: one run's 4 lengths and last batch fit
@@ -163,10 +152,9 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     progress = Progress(f"{task} trial {trial + 1}/{args.trials}", len(order), "ex")
     for step, picked in enumerate(order.split(args.batch_size)):
         opt.param_groups[0]["lr"] = learning_rate(step, steps, args.lr)
-        idx = to_device(bucket(ids[picked], pad, multiple), device)
         y = to_device(ys[picked], device)
         with autocast(device):
-            out = step_model(idx)
+            out = step_model(to_device(bucket(ids[picked], pad, multiple), device))
         loss = F.mse_loss(out[:, 0], y) if labels is None else F.cross_entropy(out, y)
         opt.zero_grad()
         loss.backward()
@@ -258,8 +246,7 @@ def read_task(task, glue_dir):
 
 
 def save_results(path, results, run_id):
-    """glue.json with these results merged in (a rerun replaces a task's splits) and averaged over
-    the splits of the same run_id (checkpoint and setting): -> (glue.json's data, those splits)."""
+    """glue.json, results merged in, averaged over run_id's splits: -> (its data, those splits)."""
     try:
         data = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else {}
     except ValueError as e:  # left as it is: it may hold days of results
@@ -303,21 +290,6 @@ def get_args(argv):
     return args
 
 
-def print_table(args, out, saved, comparable):
-    """Our row, then the paper's; -: not run."""
-    avg, numbers = glue_score(comparable)
-    others = sorted(set(saved["results"]) - set(comparable))
-    if others:
-        print(f"{out}: left out {', '.join(others)}: another checkpoint or setting than this run's")
-    ours = "random init" if args.random_init else os.path.basename(args.ckpt)
-    table = {ours: [numbers.get(s) for s in COLUMNS] + [avg], **REFERENCE}
-    print(f"\nours: the median of {args.trials} trial(s) per task; the paper's: of 5 (--trials 5)")
-    print(f"{'model':29s}" + "".join(f"{s:>8s}" for s in [*COLUMNS, "GLUE"]))
-    for label, values in table.items():
-        print(f"{label:29s}" + "".join("       -" if v is None else f"{v:8.1f}" for v in values))
-    print(f"wrote {out}")
-
-
 @entry
 def main(argv=None):
     args = get_args(argv)
@@ -341,7 +313,17 @@ def main(argv=None):
             results[split] = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}
             results[split].update(trials=trials, settings=vars(args), run=run_id)
         saved, comparable = save_results(out, results, run_id)  # after every task: none lost
-    print_table(args, out, saved, comparable)
+    avg, numbers = glue_score(comparable)  # our row, then the paper's; -: not run
+    others = sorted(set(saved["results"]) - set(comparable))
+    if others:
+        print(f"{out}: left out {', '.join(others)}: another checkpoint or setting than this run's")
+    ours = "random init" if args.random_init else os.path.basename(args.ckpt)
+    table = {ours: [numbers.get(s) for s in COLUMNS] + [avg], **REFERENCE}
+    print(f"\nours: the median of {args.trials} trial(s) per task; the paper's: of 5 (--trials 5)")
+    print(f"{'model':29s}" + "".join(f"{s:>8s}" for s in [*COLUMNS, "GLUE"]))
+    for label, values in table.items():
+        print(f"{label:29s}" + "".join("       -" if v is None else f"{v:8.1f}" for v in values))
+    print(f"wrote {out}")
     return saved["results"]
 
 

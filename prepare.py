@@ -12,9 +12,8 @@ from collections import Counter, defaultdict, deque, namedtuple
 from concurrent.futures import ThreadPoolExecutor
 
 
-# Ctrl-C while the modules load (numpy here; torch, seconds long, in cram.py and glue.py, which
-# import prepare first) is entry's one line and exit 130, not a KeyboardInterrupt traceback: entry
-# is not running yet. Only for the scripts: importing prepare (pytest, a notebook) keeps Python's.
+# Ctrl-C while the modules load (numpy; torch, for seconds, in cram.py and glue.py, which import
+# prepare first) is `entry`'s one line and exit 130, not a traceback; importing keeps Python's.
 def interrupted_at_start(signum, frame):
     print("error: interrupted", file=sys.stderr, flush=True)
     os._exit(130)  # at once: nothing is written yet
@@ -40,8 +39,7 @@ SHARDS = 33         # C4 shards (~0.17 B tokens each) for the paper's 5.5 B toke
 C4_URL = ("https://huggingface.co/datasets/allenai/c4/resolve/main/en/"
           "c4-train.{i:05d}-of-01024.json.gz")
 JOB_BYTES = 1 << 20  # text per worker job: big enough to hide the hand-over, small enough for RAM
-RETRIES = 5         # download attempts, with waits of 2, 4, 8, 16 s: ~30 s of network trouble
-BACKOFF = 2.0       # the first of those waits (s)
+RETRIES, BACKOFF = 5, 2.0  # download attempts; the waits, 2 s doubling, ride out ~30 s of trouble
 
 
 # ----------------------------------------------------------------------------- cleaning
@@ -103,22 +101,18 @@ def count_chunks(job):
 Doc = namedtuple("Doc", "key chars ids")  # a document: a hash of its text, its length, its tokens
 
 
-@functools.cache
+@functools.cache  # in a worker: the rank file is read once, at its first job
 def worker_tokenizer(rank_file, pattern):
-    """In a worker: the tokenizer, read from its rank file once, at the worker's first job."""
     return load_tokenizer({"ranks": pathlib.Path(rank_file).read_text(), "pattern": pattern})
 
 
 def encode_job(job, rank_file, pattern):
-    """In a worker: a Doc for each record of a job, None for a bad one."""
     enc = worker_tokenizer(rank_file, pattern)
-    docs = []
-    for text in texts(*job):
-        if text is None:
-            docs.append(None)
-            continue
-        key = hashlib.blake2b(text.encode(), digest_size=8).digest()  # pack finds duplicates by it
-        docs.append(Doc(key, len(text), np.array(enc.encode_ordinary(text), np.uint16)))
+    docs = [None] * len(job[1])  # None stays for a bad record
+    for i, text in enumerate(texts(*job)):
+        if text is not None:
+            key = hashlib.blake2b(text.encode(), digest_size=8).digest()  # pack's duplicate check
+            docs[i] = Doc(key, len(text), np.array(enc.encode_ordinary(text), np.uint16))
     return docs
 
 
@@ -135,9 +129,8 @@ def in_order(pool, fn, extra, files, workers):
 
 # ----------------------------------------------------------------------------- the tokenizer
 def train_bpe(counts, n_vocab):
-    """Byte-level BPE: merge the most frequent adjacent pair into a new token (ties: the smaller
-    pair), again and again. A word (a pre-tokenised chunk) is a str, a chr(id) per token, so a
-    pair is a 2-char str and a merge is a str.replace:
+    """Byte-level BPE: merge the most frequent adjacent pair (ties: the smaller) into a new token,
+    over and over. A word (a pre-tokenised chunk) is a str of chr(id)s, so a merge is a str.replace:
     {' cat': 3, ' hat': 2} has pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha' 2; 'at' becomes
     chr(256): [' c\u0100', ' h\u0100'], vocab[256] = b'at', new pairs 'c\u0100' 3, 'h\u0100' 2.
     minbpe counts every pair of every word again at each merge; an index from each pair to the
@@ -150,8 +143,7 @@ def train_bpe(counts, n_vocab):
         for j in range(len(word) - 1):
             pair_counts[word[j:j + 2]] += freqs[i]
             words_with[word[j:j + 2]].add(i)
-    # (-count, pair): heapq pops the smallest, so the most frequent pair, and of a tie the smaller
-    # (2-char strs order like pairs of ids); a changed count is pushed anew, the old entry stays
+    # the most frequent pair pops first, of a tie the smaller (2-char strs order like pairs of ids)
     heap = [(-count, pair) for pair, count in pair_counts.items()]
     heapq.heapify(heap)
     vocab = [bytes([b]) for b in range(256)]  # vocab[id]: the token's bytes
@@ -159,7 +151,7 @@ def train_bpe(counts, n_vocab):
     while len(vocab) < n_vocab and heap:
         minus_count, pair = heapq.heappop(heap)
         if -minus_count != pair_counts.get(pair):
-            continue  # a stale entry: the pair's count has changed since
+            continue  # a stale entry: the count has changed since, and was pushed anew
         if -minus_count < 2:
             break  # nothing left that repeats: a smaller vocabulary is all this text supports
         token = chr(len(vocab))  # the merged pair's id, as a char
@@ -198,8 +190,7 @@ def load_tokenizer(tok):
 
 def train_tokenizer(pool, files, args):
     """A BPE of --vocab-size tokens from the first --sample-mb of text, in whole jobs."""
-    counts = Counter()
-    chars = 0
+    counts, chars = Counter(), 0  # summed over the jobs so far
     progress = Progress("tokenizer sample", args.sample_mb, "MB")
     for job_counts, job_chars in in_order(pool, count_chunks, (), files, args.workers):
         counts.update(job_counts)
@@ -228,11 +219,9 @@ def close_rows(f, seq_len):
 def pack(pool, files, rank_file, tok, args):
     """Documents in order, exact duplicates and trash dropped, joined by [SEP] into rows: every
     VAL_EVERY-th into val.bin (and the first ones, until val has a row), the rest to train.bin."""
-    stats = Counter()
-    seen = set()  # the kept documents' keys
+    stats, seen = Counter(), set()  # what was kept and dropped; the kept documents' keys
     sep = np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
-    train = open(os.path.join(args.out, "train.bin"), "wb")
-    val = open(os.path.join(args.out, "val.bin"), "wb")
+    train, val = (open(os.path.join(args.out, f"{split}.bin"), "wb") for split in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
     for docs in in_order(pool, encode_job, (rank_file, tok["pattern"]), files, args.workers):
         to_train, to_val = [], []  # one write per job, of its documents each followed by [SEP]
@@ -259,9 +248,8 @@ def pack(pool, files, rank_file, tok, args):
 
 
 def write_data(args, tok, pool, fetcher, stop):
-    """The tokenizer (trained here, or `tok` reused), the packed rows, and then meta.json."""
     c4_pass = functools.partial(c4_shards, args.out, args.shards, fetcher, stop)  # a pass per call
-    tok = tok or train_tokenizer(pool, args.input or c4_pass(), args)
+    tok = tok or train_tokenizer(pool, args.input or c4_pass(), args)  # or --tokenizer's
     rank_file = os.path.join(args.out, "tokenizer.tiktoken")  # each worker reads it once
     pathlib.Path(rank_file).write_text(tok["ranks"])
     train_rows, val_rows, stats = pack(pool, args.input or c4_pass(), rank_file, tok, args)
@@ -272,18 +260,11 @@ def write_data(args, tok, pool, fetcher, stop):
         die(f"too little data for a train and a val row of {args.seq_len} tokens; give more text")
     filters = {k: stats[k] for k in ("bad_lines", "duplicates", "trash", "trash_chars")}
     sources = args.input or [C4_URL.format(i=i) for i in range(args.shards)]
-    meta = {"vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS),
-            "seq_len": args.seq_len,
-            "special_tokens": tok["special_tokens"],
-            "pattern": tok["pattern"],
-            "train": {"rows": train_rows},
-            "val": {"rows": val_rows},
-            "trash": args.trash,
-            "filters": filters,
-            "documents": stats["documents"],
-            "characters": stats["characters"],
-            "tokens": stats["tokens"],
-            "sources": sources}
+    meta = {"vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS), "seq_len": args.seq_len,
+            "special_tokens": tok["special_tokens"], "pattern": tok["pattern"],
+            "train": {"rows": train_rows}, "val": {"rows": val_rows}, "trash": args.trash,
+            "filters": filters, "documents": stats["documents"], "characters": stats["characters"],
+            "tokens": stats["tokens"], "sources": sources}
     with atomic(os.path.join(args.out, "meta.json"), "w") as f:  # the commit: now it is data
         json.dump(meta, f, indent=1)
     return meta
@@ -312,9 +293,8 @@ def entry(main):
 
 class Progress:
     """A long step's progress line on stderr, at most every 2 s; `extra()` adds to it. 20 s in,
-    Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'.
-    The ETA waits SETTLE seconds: the first batches' rate is the warm-up's, not the run's."""
-    SETTLE = 5.0
+    Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'."""
+    SETTLE = 5.0  # s before an ETA: the first batches' rate is the warm-up's, not the run's
 
     def __init__(self, what, total=0, unit=""):
         self.what, self.total, self.unit = what, total, unit  # total 0: a count, no ETA
@@ -322,17 +302,16 @@ class Progress:
 
     def __call__(self, done, extra=lambda: "", force=False):
         now = time.time()
-        if not force and now - self.last < 2.0:
-            return
-        self.last = now
-        rate = done / max(now - self.start, 1e-9)
-        number = "{:,.1f}" if isinstance(done, float) else "{:,}"  # MB with a decimal, counts whole
-        total = f"/{number.format(self.total)}" if self.total else ""
-        line = f"{self.what}: {number.format(done)}{total} {self.unit}"
-        if self.total and now - self.start >= self.SETTLE:
-            left = int((self.total - done) / max(rate, 1e-9))
-            line += f", ETA {left // 60}:{left % 60:02d}"
-        print(f"{line}, {rate:,.1f} {self.unit}/s{extra()}", file=sys.stderr, flush=True)
+        if force or now - self.last >= 2.0:
+            self.last = now
+            rate = done / max(now - self.start, 1e-9)
+            number = "{:,.1f}" if isinstance(done, float) else "{:,}"  # MB to 0.1, counts whole
+            total = f"/{number.format(self.total)}" if self.total else ""
+            line = f"{self.what}: {number.format(done)}{total} {self.unit}"
+            if self.total and now - self.start >= self.SETTLE:
+                left = int((self.total - done) / max(rate, 1e-9))
+                line += f", ETA {left // 60}:{left % 60:02d}"
+            print(f"{line}, {rate:,.1f} {self.unit}/s{extra()}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -455,16 +434,14 @@ def main(argv=None):
     args = get_args(argv)
     if os.path.exists(os.path.join(args.out, "meta.json")):
         die(f"--out {args.out} holds prepared data (meta.json): choose another --out")
-    tok = None  # trained here, unless --tokenizer names a prepared folder to take it from
-    if args.tokenizer:
+    tokenizer_meta, tok = {"trash": TRASH}, None  # the paper's filter; a tokenizer trained here
+    if args.tokenizer:  # or a prepared folder's, and its filter: its vocabulary's scale
         tokenizer_meta, tok = read_prepared(args.tokenizer)[:2]
-    if args.trash is None:  # the paper's, or the --tokenizer folder's: its vocabulary's scale
-        args.trash = tokenizer_meta["trash"] if args.tokenizer else TRASH
+    args.trash = tokenizer_meta["trash"] if args.trash is None else args.trash
     os.makedirs(args.out, exist_ok=True)
     # The pool before any thread (forking a threaded process is unsafe); workers ignore Ctrl-C
     with multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
-        fetcher = ThreadPoolExecutor(1)  # downloads the next C4 shard
-        stop = threading.Event()
+        fetcher, stop = ThreadPoolExecutor(1), threading.Event()  # downloads the next C4 shard
         try:
             meta = write_data(args, tok, pool, fetcher, stop)
         finally:  # then the pool is terminated

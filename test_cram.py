@@ -1578,7 +1578,7 @@ def test_a_chosen_micro_batch_is_said_and_kept_by_resume(tmp_path, data, capsys)
     args = cram.get_args(["--data", data, "--out", str(tmp_path), "--steps", "2", *flags])
     args.micro_batch = None
     cram.Trainer(args, 0, 1, torch.device("cpu")).train()
-    assert "micro-batch 16: v2's" in capsys.readouterr().out  # v2's 128, at most --batch-size 16
+    assert "micro-batches of 16 x 1 (v2's)" in capsys.readouterr().out  # v2's 128, at most --batch-size 16
     assert cram.load_checkpoint(str(tmp_path / "ckpt.pt"))["args"]["micro_batch"] == 16
     assert args.micro_batch is None  # the caller's flags stay as given
 
