@@ -40,8 +40,9 @@ PRESETS = {
 # paper's model at 512 takes 27 GiB and trains 13% faster than at 128)
 GPU_MICRO_BATCH = {40: 512, 20: 256, 0: MICRO_BATCH}
 # MFU's denominator: dense bf16 peaks by GPU name (datasheets); the H100's for one not named here
-PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
-              "L40S": 362e12, "A6000": 155e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+GPU_PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
+                  "L40S": 362e12, "A6000": 155e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+PEAK_FLOPS = GPU_PEAK_FLOPS["H100"]  # SXM: the peak for a GPU not in the table, and the CPU
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
 SAVE_TIMEOUT = 3600     # seconds DDP ranks wait for rank 0 to save or evaluate (NCCL's: 600)
 RUN_SETTINGS = [*PRESETS["crammed"], "time", "steps", "seed"]  # --resume keeps the run's own
@@ -202,12 +203,16 @@ def mask_rows(rows, specials, gen):
 
 def masked(rows, specials, seed, device):
     """The model's inputs: rows (numpy) masked on the CPU as a pure function of a seed, then moved
-    to the device; pinned memory lets the copy overlap the GPU's work on the last micro-batch."""
+    to the device."""
     rows = torch.from_numpy(rows.astype(np.int64))
     out = mask_rows(rows, specials, torch.Generator().manual_seed(seed & (2 ** 63 - 1)))
-    if device.type == "cuda":
-        out = [t.pin_memory().to(device, non_blocking=True) for t in out]
-    return dict(zip(("idx", "positions", "labels"), out))
+    return dict(zip(("idx", "positions", "labels"), (to_device(t, device) for t in out)))
+
+
+def to_device(t, device):
+    """A CPU tensor to the device: pinned, a copy to a GPU does not make the CPU wait for it, so
+    the CPU prepares the next batch while the GPU works on this one."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 # ----------------------------------------------------------------------------- the budget
@@ -285,12 +290,11 @@ def pick_micro_batch(device, batch_size):
 def peak_flops(device):
     """MFU's denominator, the GPU's dense bf16 peak -> (FLOP/s, the log line that says so)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
-    for key, peak in PEAK_FLOPS.items():  # "H100 PCIe" is tried before "H100"
+    for key, peak in GPU_PEAK_FLOPS.items():  # "H100 PCIe" is tried before "H100"
         if key in name:
             return peak, f"MFU against the {name}'s dense bf16 peak, {peak / 1e12:.0f} TFLOP/s"
-    peak = PEAK_FLOPS["H100"]
-    return peak, (f"MFU against the H100's dense bf16 peak, {peak / 1e12:.0f} TFLOP/s "
-                  f"({name} is not in PEAK_FLOPS)")
+    return PEAK_FLOPS, (f"MFU against the H100's dense bf16 peak, {PEAK_FLOPS / 1e12:.0f} "
+                        f"TFLOP/s ({name} is not in GPU_PEAK_FLOPS)")
 
 
 def build(c, args, device, world=1):
@@ -342,7 +346,7 @@ class Trainer:
         os.makedirs(args.out, exist_ok=True)
         if rank == 0:  # a new run replaces the log of one that died before its first checkpoint
             self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
-        why = "your --micro-batch"
+        why = "the run's own" if args.resume else "--micro-batch"
         if args.micro_batch is None:
             args.micro_batch, why = pick_micro_batch(device, args.batch_size)
         self.args = args

@@ -7,7 +7,7 @@ import argparse, collections, json, math, os, pathlib, zipfile
 from prepare import Progress, atomic, die, download, entry, load_tokenizer, normalize
 
 import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
-from cram import Crammed, autocast, load_checkpoint, load_model, pick_device
+from cram import Crammed, autocast, load_checkpoint, load_model, pick_device, to_device
 
 # ----------------------------------------------------------------------------- the "sane" recipe
 LR = 4e-5            # peak AdamW learning rate
@@ -118,10 +118,6 @@ def bucket(rows, pad, multiple):
     so a compiled model meets 4 lengths. Outputs equal: [PAD] only at the end, no token sees it."""
     longest = int((rows != pad).sum(1).max())
     return rows[:, :min(math.ceil(longest / multiple) * multiple, rows.size(1))]
-
-
-def to_device(t, device):  # pinned, the copy to a GPU does not make the CPU wait
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def learning_rate(step, total, peak):

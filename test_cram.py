@@ -1352,7 +1352,7 @@ def test_glue_compiles_to_one_graph_and_an_epoch_has_at_most_four_lengths(one_th
 
 
 @CUDA
-def test_glue_fine_tuning_steps_never_wait_for_the_gpu(tmp_path, monkeypatch):
+def test_cuda_glue_fine_tuning_steps_never_wait_for_the_gpu(tmp_path, monkeypatch):
     """After the first step (it compiles), a step copies pinned inputs and reads nothing off the
     GPU: under sync debug mode "error" any wait raises. Reading the loss at the last step is one."""
     class CheckSync:  # stands in for Progress, which reads the loss only at the last step here
@@ -1593,10 +1593,10 @@ def test_mfu_divides_by_the_peak_of_the_gpu_it_runs_on(monkeypatch, name, peak):
 
 def test_an_unknown_gpu_is_said_to_be_measured_against_the_h100(tmp_path, data, monkeypatch, capsys):
     monkeypatch.setattr(cram.torch.cuda, "get_device_name", lambda device: "Tesla T4")
-    assert cram.peak_flops(torch.device("cuda"))[1].endswith("989 TFLOP/s (Tesla T4 is not in PEAK_FLOPS)")
+    assert cram.peak_flops(torch.device("cuda"))[1].endswith("989 TFLOP/s (Tesla T4 is not in GPU_PEAK_FLOPS)")
     cram.main(["--data", data, "--out", str(tmp_path), "--steps", "2", *TINY])
     out = capsys.readouterr().out
-    assert out.count("MFU against the H100's dense bf16 peak, 989 TFLOP/s (a CPU is not in PEAK_FLOPS)") == 1
+    assert out.count("MFU against the H100's dense bf16 peak, 989 TFLOP/s (a CPU is not in GPU_PEAK_FLOPS)") == 1
 
 
 def test_the_first_step_that_compiles_says_so_without_a_rate(capsys):
