@@ -160,7 +160,7 @@ class Crammed(nn.Module):
         if positions is None:
             return x
         logits = self.decode(x, positions)  # (B, masked, vocab)
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
     def decode(self, hidden, positions):
         """Sparse prediction: the tied decoder runs on the masked positions (B, masked) only."""
@@ -180,9 +180,10 @@ def mask_rows(rows, specials, gen):
     """Masked LM with static shapes: exactly round(0.25 x T) positions a row, never a special token
     (`specials`: their ids, the last of the vocabulary); 80% become [MASK], 10% a random token, 10%
     stay. For T=8, [SEP]=9: rows=[[5, 6, 7, 9, 1, 2, 3, 4]] -> positions=[[1, 6]], labels=[[6, 3]],
-    idx=[[5, M, 7, 9, 1, 2, M, 4]]. Returns idx, positions, labels (-100: ignore).
-    The rows hold no [CLS] (v2: include_cls_token_in_corpus False): every slot holds text, and
-    fine-tuning teaches the first position what GLUE's head reads there."""
+    idx=[[5, M, 7, 9, 1, 2, M, 4]]. A row of prepare.py holds at least T/2 ordinary tokens (each
+    [SEP] follows a document), so there are always enough. The rows hold no [CLS] (v2:
+    include_cls_token_in_corpus False): every slot holds text, and fine-tuning teaches the first
+    position what GLUE's head reads there."""
     B, T = rows.shape
     special_ids = torch.tensor(sorted(specials.values()))
     n_ordinary = min(specials.values())  # ordinary tokens are the ids below the specials
@@ -195,10 +196,7 @@ def mask_rows(rows, specials, gen):
     shown = torch.where(roll < MASK_AS_MASK, specials["[MASK]"],  # 80%: [MASK]
                         torch.where(roll < MASK_AS_MASK + MASK_AS_RANDOM, random_ids,  # 10%: random
                                     labels))  # 10%: the token itself
-    # a row with fewer ordinary tokens than masks picks specials too: left as they are, not scored
-    picked_special = torch.isin(labels, special_ids)
-    idx = rows.scatter(1, positions, torch.where(picked_special, labels, shown))
-    return idx, positions, labels.masked_fill(picked_special, -100)
+    return rows.scatter(1, positions, shown), positions, labels
 
 
 def masked(rows, specials, seed, device):
@@ -263,13 +261,13 @@ def evaluate(model, rows, specials, micro, device):
         idx, positions, labels = (inputs[k][i:i + micro] for k in ("idx", "positions", "labels"))
         with autocast(device):
             logits = model.decode(model(idx), positions)  # (micro, masked, vocab)
-        scored = labels != -100
-        loss_sum += F.cross_entropy(logits[scored].float(), labels[scored], reduction="sum").item()
-        right += (logits.argmax(-1) == labels)[scored].sum().item()
-        count += scored.sum().item()
+        loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                    reduction="sum").item()
+        right += (logits.argmax(-1) == labels).sum().item()
+        count += labels.numel()
         progress(i + len(labels))
     model.train()
-    return loss_sum / max(count, 1), right / max(count, 1)
+    return loss_sum / count, right / count
 
 
 # ----------------------------------------------------------------------------- training

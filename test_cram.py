@@ -549,11 +549,21 @@ def test_masking_counts_and_80_10_10():
     assert (got < 996).logical_or(got == 999).all()  # random replacements are ordinary tokens
     untouched = torch.ones_like(rows, dtype=torch.bool).scatter(1, pos, False)
     assert (inputs[untouched] == rows[untouched]).all()
-    # a row with fewer ordinary tokens than masks: specials are picked but ignored by the loss
-    short = torch.full((1, 128), 998)
-    short[0, :10] = 5
-    inputs, pos, labels = cram.mask_rows(short, SPECIALS_1000, gen)
-    assert (labels != -100).sum() == 10 and (inputs[0, 10:] == 998).all()
+
+
+def test_prepared_rows_always_hold_enough_ordinary_tokens_to_mask(tmp_path):
+    """Each [SEP] follows a document of at least one token, so a row holds at least T/2 ordinary
+    tokens: never fewer than the T/4 masks, even when every document is one token long."""
+    docs = [chr(c) for c in range(33, 127) if chr(c).lower() == chr(c)]  # 68 one-token documents
+    meta, out = prep(str(tmp_path), docs, "--trash", "0")
+    tok = prepare.read_prepared(out)[2]
+    specials = list(meta["special_tokens"].values())
+    for split in ("train", "val"):
+        rows = torch.from_numpy(tok[split].astype(np.int64))
+        ordinary = (~torch.isin(rows, torch.tensor(specials))).sum(1)
+        assert ordinary.min() == 16 == rows.shape[1] // 2  # the worst case: one token, one [SEP]
+        positions = cram.mask_rows(rows, meta["special_tokens"], torch.Generator().manual_seed(0))[1]
+        assert not torch.isin(rows.gather(1, positions), torch.tensor(specials)).any()
 
 
 def test_schedule_and_ramp():
