@@ -344,7 +344,7 @@ class Trainer:
         os.makedirs(args.out, exist_ok=True)
         if rank == 0:  # a new run replaces the log of one that died before its first checkpoint
             self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
-        why = "the run's own" if args.resume else "--micro-batch"
+        why = "the run's own" if args.resume else "the preset's or --micro-batch"
         if args.micro_batch is None:
             args.micro_batch, why = pick_micro_batch(device, args.batch_size)
         self.args = args
