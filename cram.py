@@ -7,7 +7,8 @@
 import argparse, datetime, json, math, os, signal, time
 from dataclasses import asdict, dataclass
 
-from prepare import Progress, atomic, die, entry, load_tokenizer, normalize, read_prepared
+from prepare import Progress, atomic, die, entry, learning_rate_flag, load_tokenizer, normalize
+from prepare import read_prepared
 
 import numpy as np, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
 
@@ -332,7 +333,8 @@ class Trainer:
         meta, self.tok, rows = read_prepared(args.data)
         self.path = os.path.join(args.out, "ckpt.pt")
         self.state = dict(step=0, seqs=0, elapsed=0.0)  # steps, sequences and seconds so far
-        data_position, ckpt = [0, 0], None  # the data's epoch, and its row within the epoch
+        data_position = [0, 0]  # the data's epoch, and its row within the epoch
+        ckpt = None  # a new run
         if args.resume:
             ckpt = load_checkpoint(self.path, meta, self.tok, "; start without --resume")
             run = {k: ckpt["args"][k] for k in RUN_SETTINGS}  # the schedule depends on them
@@ -364,7 +366,8 @@ class Trainer:
                      "1/2000 of a GPU's pace; the README's CPU demo learns in minutes: "
                      "--preset tiny")
         self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *data_position)
-        self.val, self.specials = rows["val"][:args.eval_rows], self.tok["special_tokens"]
+        self.val = rows["val"][:args.eval_rows]
+        self.specials = self.tok["special_tokens"]
         if not len(self.val):
             self.log("--eval-rows 0: no validation")
         self.signals = []  # Ctrl-C and SIGTERM received: the run saves and stops after the step
@@ -586,7 +589,7 @@ def get_args(argv=None):
         arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
     arg("--micro-batch", type=int, help="sequences per forward pass (default: by the GPU's memory)")
     arg("--batch-size", type=int, help=f"sequences per step at the end of the ramp ({BATCH_SIZE})")
-    arg("--lr", type=float, help=f"peak learning rate ({LR})")
+    arg("--lr", type=learning_rate_flag, help=f"peak learning rate ({LR})")
     arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
     arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
@@ -603,8 +606,6 @@ def get_args(argv=None):
         ap.error("--width must divide by --heads, and --ffn be even")
     if args.micro_batch and args.batch_size < args.micro_batch:
         ap.error("--batch-size must be at least --micro-batch")
-    if not args.lr > 0:  # nan too
-        ap.error(f"--lr {args.lr}: the learning rate must be a positive number")
     args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
     return args
 

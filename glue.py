@@ -4,7 +4,8 @@
     python glue.py --ckpt out/ckpt.pt --random-init                  # the "no pretraining" row"""
 import argparse, collections, json, math, os, pathlib, zipfile
 
-from prepare import Progress, atomic, die, download, entry, load_tokenizer, normalize
+from prepare import Progress, atomic, die, download, entry, learning_rate_flag, load_tokenizer
+from prepare import normalize
 
 import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
 from cram import Crammed, autocast, load_checkpoint, load_model, pick_device, to_device
@@ -14,7 +15,9 @@ LR = 4e-5            # peak AdamW learning rate
 BATCH_SIZE = 16      # examples per optimizer step
 EPOCHS = 5           # the challenge allows at most 5, one recipe for every task
 WARMUP = 0.1         # linear warm-up over this fraction of the steps, then cosine decay to zero
-BETAS, EPS, WEIGHT_DECAY = (0.9, 0.98), 1e-6, 0.0  # AdamW's; no decay: 5 epochs from pretraining
+BETAS = (0.9, 0.98)  # AdamW's betas, as in pretraining
+EPS = 1e-6           # AdamW's epsilon
+WEIGHT_DECAY = 0.0   # none: five short epochs from a pretrained start
 DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretraining has none)
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
@@ -141,7 +144,8 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     step_model, multiple = model, 1  # eager: cut to the longest row; padding only costs time
     if device.type == "cuda" and not args.no_compile:  # compiled: a graph per bucket length
         torch._dynamo.reset()  # dynamo keeps 8 graphs: one run's 4 lengths and last batch fit
-        step_model, multiple = torch.compile(model, dynamic=False, fullgraph=True), BUCKET
+        step_model = torch.compile(model, dynamic=False, fullgraph=True)
+        multiple = BUCKET
     ids, ys = train
     order = torch.cat([torch.randperm(len(ids)) for _ in range(args.epochs)])  # epoch by epoch
     steps = math.ceil(len(order) / args.batch_size)
@@ -268,7 +272,7 @@ def get_args(argv):
     arg("--glue-dir", default="data/glue", help="GLUE task folders (default: %(default)s)")
     arg("--tasks", default="CoLA,SST-2,MRPC,STS-B,QQP,MNLI,QNLI,RTE", help="default: all but WNLI")
     arg("--epochs", type=int, default=EPOCHS, help="per task (default: %(default)s)")
-    arg("--lr", type=float, default=LR, help="peak AdamW lr (default: %(default)s)")
+    arg("--lr", type=learning_rate_flag, default=LR, help="peak AdamW lr (default: %(default)s)")
     arg("--batch-size", type=int, default=BATCH_SIZE, help="(default: %(default)s)")
     arg("--seed", type=int, default=0, help="trial k uses seed + k - 1 (default: %(default)s)")
     arg("--trials", type=int, default=TRIALS, help="runs; median reported (default: %(default)s)")
@@ -277,8 +281,6 @@ def get_args(argv):
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
     arg("--random-init", action="store_true", help="no pretraining; into glue-random-init.json")
     args = ap.parse_args(argv)
-    if not 0 < args.lr < math.inf:  # nan and inf too
-        ap.error(f"argument --lr: {args.lr} is not a finite number above 0")
     known = {t.lower(): t for t in TASKS}  # any case: sst-2, SST-2 and Sst-2 are SST-2
     if not set(args.tasks.lower().split(",")) <= set(known):
         die(f"--tasks {args.tasks}: name one or more of {','.join(TASKS)}")

@@ -39,7 +39,8 @@ SHARDS = 33         # C4 shards (~0.17 B tokens each) for the paper's 5.5 B toke
 C4_URL = ("https://huggingface.co/datasets/allenai/c4/resolve/main/en/"
           "c4-train.{i:05d}-of-01024.json.gz")
 JOB_BYTES = 1 << 20  # text per worker job: big enough to hide the hand-over, small enough for RAM
-RETRIES, BACKOFF = 5, 2.0  # download attempts; the waits, 2 s doubling, ride out ~30 s of trouble
+RETRIES = 5         # download attempts; the waits between them double: ~30 s of trouble ridden out
+BACKOFF = 2.0       # the first wait (s)
 
 
 # ----------------------------------------------------------------------------- cleaning
@@ -273,6 +274,15 @@ def write_data(args, tok, pool, fetcher, stop):
 # ----------------------------------------------------------------------------- shared plumbing
 def die(msg):
     raise SystemExit(f"error: {msg}")
+
+
+def learning_rate_flag(text):
+    """The argparse type of cram.py's and glue.py's --lr: nan, inf, 0 and below are refused in
+    argparse's one line ('argument --lr: nan is not a finite number above 0'), not by AdamW."""
+    lr = float(text)
+    if not 0 < lr < float("inf"):
+        raise argparse.ArgumentTypeError(f"{lr} is not a finite number above 0")
+    return lr
 
 
 def entry(main):

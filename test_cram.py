@@ -1645,9 +1645,9 @@ def test_a_device_this_machine_lacks_is_one_line_before_the_data(tmp_path, devic
         assert str(e.value).startswith(f"error: --device {device}: not a device of this machine (it has the CPU")
 
 
-@pytest.mark.parametrize("lr", ["nan", "-0.001", "0"])
+@pytest.mark.parametrize("lr", ["nan", "-0.001", "0", "inf"])
 def test_a_learning_rate_that_cannot_work_is_refused_in_one_line(tmp_path, data, lr, capsys):
     with pytest.raises(SystemExit) as e:
         cram.main(["--data", data, "--out", str(tmp_path), "--steps", "1", *TINY, "--lr", lr])
-    assert e.value.code == 2 and f"--lr {float(lr)}: the learning rate must be a positive number" in capsys.readouterr().err
+    assert e.value.code == 2 and f"error: argument --lr: {float(lr)} is not a finite number above 0" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "log.jsonl")
