@@ -7,10 +7,10 @@
 import argparse, datetime, json, math, os, signal, time
 from dataclasses import asdict, dataclass
 
-from prepare import Progress, atomic, die, entry, learning_rate_flag, load_tokenizer, normalize
-from prepare import read_prepared
-
 import numpy as np, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+
+from prepare import Progress, above_zero, atomic, die, entry, load_tokenizer, normalize
+from prepare import read_prepared
 
 # ----------------------------------------------------------------------------- the recipe
 BUDGET = 86400          # seconds: one day on one GPU, compilation included
@@ -22,27 +22,25 @@ CLIP = 0.5              # gradient-norm clipping: the paper's guard against loss
 LR_START = 0.25         # budget-triangle2: lr starts at 25% of the peak ...
 LR_FALL = 4.0           # ... and falls as 4(1 - x), so it peaks at x = 0.75 and ends at zero
 RAMP_END = 0.6          # the batch reaches --batch-size at 60% of the budget
-MICRO_BATCH = 128       # sequences per forward pass: v2's, for a 24 GB GPU (bigger GPUs: below)
+MICRO_BATCH = 128       # sequences per forward pass: v2's; here the CPU's and a GPU's under 20 GB
 BATCH_SIZE = 8192       # sequences per step at the end of the ramp: a GPU day wants big batches
 MASK_RATE = 0.25        # v2 masks 25% of the tokens (BERT: 15%): more signal per sequence
 MASK_AS_MASK = 0.8      # of the masked positions, 80% read [MASK] ...
 MASK_AS_RANDOM = 0.1    # ... 10% a random token, and the other 10% keep their own token
 INIT_STD = 0.02         # normal init of every linear and embedding weight
 LN_EPS = 1e-12          # LayerNorm epsilon of the official model
-PRESETS = {
-    "crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=None,
-                    batch_size=BATCH_SIZE, lr=LR, alibi=0.0),  # the paper's model and batch
-    # the CPU demo (data prepared with --vocab-size 2048): ten minutes on 2 cores buy a few
-    # thousand steps, so they must be many, small and fast: 2 x 128, 16 sequences a step, a high lr
-    "tiny": dict(layers=2, width=128, heads=2, ffn=512, micro_batch=16, batch_size=16, lr=6e-3,
-                 alibi=1.0),  # ALiBi's locality, so the model need not discover it (see the README)
-}
-# GB of GPU memory -> micro-batch, the first that fits: bigger products run faster (on an H200 the
-# paper's model at 512 takes 27 GiB and trains 13% faster than at 128)
+PRESETS = {"crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=None,
+                           batch_size=BATCH_SIZE, lr=LR, alibi=0.0),  # the paper's model and batch
+           # the CPU demo (data of --vocab-size 2048): a small model learns from the count of
+           # updates, so a CPU's minutes go to many small, fast steps: 2 x 128, 16 rows, high lr
+           "tiny": dict(layers=2, width=128, heads=2, ffn=512, micro_batch=16, batch_size=16,
+                        lr=6e-3, alibi=1.0)}  # ALiBi's locality, not left to discover (the README)
+# GB of GPU memory -> micro-batch, the first the GPU reaches: bigger products run faster (README)
 GPU_MICRO_BATCH = {40: 512, 20: 256, 0: MICRO_BATCH}
-# MFU's denominator: dense bf16 peaks by GPU name (datasheets); the H100's for one not named here
-GPU_PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
-                  "L40S": 362e12, "A6000": 155e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+# MFU's denominator: dense bf16 peaks (datasheets) by GPU name, tried in order: "H100 NVL" first
+GPU_PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12,
+                  "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A6000": 155e12,
+                  "RTX 4090": 165e12, "RTX 3090": 71e12}
 PEAK_FLOPS = GPU_PEAK_FLOPS["H100"]  # SXM: the peak for a GPU not in the table, and the CPU
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
 SAVE_TIMEOUT = 3600     # seconds DDP ranks wait for rank 0 to save or evaluate (NCCL's: 600)
@@ -92,8 +90,8 @@ class GatedMLP(nn.Module):
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x):
-        # two products with the weight's halves, not one split after: the backward then needs no
-        # concatenation of the two gradients (on a GPU, a slow kernel of its own)
+        # two products with the weight's halves, not one split after: the backward never joins the
+        # (B, T, ffn/2) gradients of value and gate, only the weight's two halves (chunk's backward)
         w_value, w_gate = self.fc.weight.chunk(2)  # each (ffn/2, width)
         value, gate = F.linear(x, w_value), F.linear(x, w_gate)  # each (B, T, ffn/2)
         return self.drop(self.out(value * F.gelu(gate)))
@@ -170,7 +168,8 @@ class Crammed(nn.Module):
 
 
 def flops_per_token(c):
-    """Training FLOPs per token (forward + backward = 3 x 2 x multiply-adds), the paper's count."""
+    """Training FLOPs per token, PaLM's count (Chowdhery et al. 2022, app. B; nanoGPT's MFU too): 6
+    a weight (forward and backward), 12 x layers x T x width for attention, the decoder at 25%."""
     matmul = c.layers * (4 * c.width ** 2 + c.width * c.ffn + c.ffn // 2 * c.width)
     attention = 12 * c.layers * c.seq_len * c.width
     return 6 * matmul + attention + 6 * c.width * c.vocab_size * MASK_RATE
@@ -182,9 +181,8 @@ def mask_rows(rows, specials, gen):
     (`specials`: their ids, the last of the vocabulary); 80% become [MASK], 10% a random token, 10%
     stay. For T=8, [SEP]=9: rows=[[5, 6, 7, 9, 1, 2, 3, 4]] -> positions=[[1, 6]], labels=[[6, 3]],
     idx=[[5, M, 7, 9, 1, 2, M, 4]]. A row of prepare.py holds at least T/2 ordinary tokens (each
-    [SEP] follows a document), so there are always enough. The rows hold no [CLS] (v2:
-    include_cls_token_in_corpus False): every slot holds text, and fine-tuning teaches the first
-    position what GLUE's head reads there."""
+    [SEP] follows a document), so there are always enough. No row holds [CLS] (v2 neither): every
+    slot holds text, and fine-tuning teaches the first position what GLUE's head reads there."""
     B, T = rows.shape
     special_ids = torch.tensor(sorted(specials.values()))
     n_ordinary = min(specials.values())  # ordinary tokens are the ids below the specials
@@ -194,23 +192,20 @@ def mask_rows(rows, specials, gen):
     labels = rows.gather(1, positions)  # (B, masked)
     roll = torch.rand(positions.shape, generator=gen)  # decides the fate of each masked position
     random_ids = torch.randint(0, n_ordinary, positions.shape, generator=gen)
-    shown = torch.where(roll < MASK_AS_MASK, specials["[MASK]"],  # 80%: [MASK]
-                        torch.where(roll < MASK_AS_MASK + MASK_AS_RANDOM, random_ids,  # 10%: random
-                                    labels))  # 10%: the token itself
+    shown = torch.where(roll < MASK_AS_MASK + MASK_AS_RANDOM, random_ids, labels)  # 10%: itself
+    shown[roll < MASK_AS_MASK] = specials["[MASK]"]  # 80%: [MASK]; the 10% between: random
     return rows.scatter(1, positions, shown), positions, labels
 
 
 def masked(rows, specials, seed, device):
-    """The model's inputs: rows (numpy) masked on the CPU as a pure function of a seed, then moved
-    to the device."""
+    """The model's inputs: rows (numpy) masked on the CPU as a pure function of seed, on device."""
     rows = torch.from_numpy(rows.astype(np.int64))
     out = mask_rows(rows, specials, torch.Generator().manual_seed(seed & (2 ** 63 - 1)))
     return dict(zip(("idx", "positions", "labels"), (to_device(t, device) for t in out)))
 
 
 def to_device(t, device):
-    """A CPU tensor to the device: pinned, a copy to a GPU does not make the CPU wait for it, so
-    the CPU prepares the next batch while the GPU works on this one."""
+    """A CPU tensor to the device; pinned, the copy lets the CPU go on with the next batch."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
@@ -232,10 +227,10 @@ class Batches:
     """Rows in a seeded uniform order, a new permutation every epoch (v2: a sentence-length
     curriculum); (epoch, pos) is all the state, so a resume reads the same rows; ranks: a slice."""
 
-    def __init__(self, rows, micro, seed, rank=0, world=1, epoch=0, pos=0):
+    def __init__(self, rows, micro, seed, rank=0, world=1):
         self.rows, self.micro, self.seed = rows, micro, seed
         self.rank, self.world = rank, world  # DDP: rank r reads the r-th micro-batch of each world
-        self.epoch, self.pos, self.order = epoch, pos, None  # next row: pos in the epoch's order
+        self.epoch, self.pos, self.order = 0, 0, None  # next row: pos in the epoch's order
 
     def __next__(self):
         if self.pos + self.micro * self.world > len(self.rows):
@@ -277,25 +272,6 @@ def autocast(device):
     return torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
 
 
-def pick_micro_batch(device, batch_size):
-    """The micro-batch when no --micro-batch is given, by the GPU's memory -> (size, why)."""
-    if device.type != "cuda":
-        return min(MICRO_BATCH, batch_size), "v2's"
-    gb = torch.cuda.get_device_properties(device).total_memory / 1e9
-    size = next(size for least_gb, size in GPU_MICRO_BATCH.items() if gb >= least_gb)
-    return min(size, batch_size), f"the GPU has {gb:.0f} GB: 512 from 40 GB, 256 from 20, else 128"
-
-
-def peak_flops(device):
-    """MFU's denominator, the GPU's dense bf16 peak -> (FLOP/s, the log line that says so)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
-    for key, peak in GPU_PEAK_FLOPS.items():  # "H100 PCIe" is tried before "H100"
-        if key in name:
-            return peak, f"MFU against the {name}'s dense bf16 peak, {peak / 1e12:.0f} TFLOP/s"
-    return PEAK_FLOPS, (f"MFU against the H100's dense bf16 peak, {PEAK_FLOPS / 1e12:.0f} "
-                        f"TFLOP/s ({name} is not in GPU_PEAK_FLOPS)")
-
-
 def build(c, args, device, world=1):
     """(model to call, the raw module, AdamW): compiled on CUDA, wrapped in DDP under torchrun."""
     torch.manual_seed(args.seed)
@@ -304,7 +280,7 @@ def build(c, args, device, world=1):
     decay = [p for p in raw.parameters() if p not in norms]  # v2: all but biases and norms
     rest = [p for p in raw.parameters() if p in norms]  # in a fixed order, for --resume
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0}]
-    # fused on a GPU: one kernel for all the weights (the CPU keeps the README's for-each steps)
+    # fused on a GPU: a few kernels for all the weights; the CPU keeps torch's loop over them
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
     model = raw
     if device.type == "cuda":
@@ -318,76 +294,66 @@ def build(c, args, device, world=1):
     return model, raw, opt
 
 
-LOG_FORMAT = {"step": "step {}", "tokens": "{:,} tok", "loss": "loss {:.4f}", "lr": "lr {:.2e}",
-              "batch": "batch {}", "compiled": "compiled in {:.0f}s", "tok_s": "{:,} tok/s",
-              "mfu": "mfu {:.1%}", "elapsed": "{:,.0f}s elapsed", "left": "{:,.0f}s left",
-              "val_loss": "val loss {:.4f}", "val_acc": "accuracy {:.1%}"}  # how a record prints
+def run_settings(args, device, ckpt=None):
+    """The run's settings, all decided here, in this order: the flags; the preset's where no flag
+    gave one; on --resume the run's own RUN_SETTINGS; the GPU's micro-batch if none. -> (it, why)"""
+    flags = {k: v for k, v in vars(args).items() if v is not None}
+    settings = argparse.Namespace(**{**vars(args), **PRESETS[args.preset], **flags})
+    why = "the preset's or --micro-batch"
+    if ckpt:
+        vars(settings).update({k: ckpt["args"][k] for k in RUN_SETTINGS})
+        why = "the run's own"
+    if settings.micro_batch is None:
+        settings.micro_batch, why = pick_micro_batch(device, settings.batch_size)
+    return settings, why
 
 
 class Trainer:
     """One run: the model, AdamW, the rows and `state`; a checkpoint holds them all."""
 
     def __init__(self, args, rank, world, device):
-        args = argparse.Namespace(**vars(args))  # the run's settings: flags, --resume's, the GPU's
         self.rank, self.world, self.device = rank, world, device
         meta, self.tok, rows = read_prepared(args.data)
         self.path = os.path.join(args.out, "ckpt.pt")
-        self.state = dict(step=0, seqs=0, elapsed=0.0)  # steps, sequences and seconds so far
-        data_position = [0, 0]  # the data's epoch, and its row within the epoch
         ckpt = None  # a new run
         if args.resume:
             ckpt = load_checkpoint(self.path, meta, self.tok, "; start without --resume")
-            run = {k: ckpt["args"][k] for k in RUN_SETTINGS}  # the schedule depends on them
-            vars(args).update(run)
-            self.state.update({k: ckpt[k] for k in self.state})
-            data_position = ckpt["data"]
         elif os.path.exists(self.path):  # a folder holds a run once it holds a checkpoint
             die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
+        self.args, why = run_settings(args, device, ckpt)  # the settings from here on
+        args = self.args
         os.makedirs(args.out, exist_ok=True)
         if rank == 0:  # a new run replaces the log of one that died before its first checkpoint
             self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
-        why = "the run's own" if args.resume else "the preset's or --micro-batch"
-        if args.micro_batch is None:
-            args.micro_batch, why = pick_micro_batch(device, args.batch_size)
-        self.args = args
         self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
                              args.heads, args.ffn, alibi=args.alibi)
         self.model, self.raw, self.opt = build(self.c, args, device, world)
-        self.compiles = device.type == "cuda" and not args.no_compile  # at the first step
         self.peak, mfu_line = peak_flops(device)
         n = sum(p.numel() for p in self.raw.parameters())
         budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
-        self.log(f"crammed BERT {self.c.layers} x {self.c.width}: {n / 1e6:.1f} M parameters, "
+        last_batch = ramp(1.0, args.batch_size, args.micro_batch * world) * args.micro_batch * world
+        self.log(f"crammed BERT {args.layers} x {args.width}: {n / 1e6:.1f} M parameters, "
                  f"{flops_per_token(self.c) / 1e9:.3f} GFLOP/token | budget {budget} | peak lr "
-                 f"{args.lr} | batch ramps to {args.batch_size} on {device}\nmicro-batches of "
+                 f"{args.lr} | batch ramps to {last_batch} on {device}\nmicro-batches of "
                  f"{args.micro_batch} x {world} ({why})\n{mfu_line}")
         if device.type == "cpu" and self.c == ModelConfig(self.c.vocab_size):  # a laptop, say
-            self.log("a CPU trains the paper's model at 240 to 360 tok/s (2 cores, measured), "
-                     "1/2000 of a GPU's pace; the README's CPU demo learns in minutes: "
-                     "--preset tiny")
-        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world, *data_position)
+            self.log("a CPU trains the paper's model thousands of times slower than a GPU (the "
+                     "README's Measurements); its CPU demo learns in minutes: --preset tiny")
+        if not args.eval_rows:
+            self.log("--eval-rows 0: no validation")
+        self.state = dict(step=0, seqs=0, elapsed=0.0)  # steps, sequences and seconds so far
+        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world)
         self.val = rows["val"][:args.eval_rows]
         self.specials = self.tok["special_tokens"]
-        if not len(self.val):
-            self.log("--eval-rows 0: no validation")
         self.signals = []  # Ctrl-C and SIGTERM received: the run saves and stops after the step
-        if ckpt:
+        if ckpt:  # the run goes on where its checkpoint left it
+            self.state.update({k: ckpt[k] for k in self.state})
+            self.data.epoch, self.data.pos = ckpt["data"]
             self.raw.load_state_dict(ckpt["model"])
             self.opt.load_state_dict(ckpt["optimizer"])
+            run = {k: vars(args)[k] for k in RUN_SETTINGS}
             self.log(f"resumed at step {self.state['step']} with the run's own settings {run}")
             self.save()  # now: a folder that takes no file, or a full disk, is found before a step
-
-    def log(self, line="", **record):
-        """A line, or a record: printed as one ('step 3 | loss 4.5000 | ...'), kept in log.jsonl."""
-        if self.rank == 0:
-            fields = (LOG_FORMAT[k].format(v) for k, v in record.items() if k in LOG_FORMAT)
-            print(line or " | ".join(fields), flush=True)
-            if record:
-                print(json.dumps(record), file=self.logf, flush=True)
-
-    def on_signal(self, signum, frame):  # said at once: a CPU step of the paper's model is slow
-        print(f"signal {signum}: the run stops after this step and saves", flush=True)
-        self.signals.append(signum)
 
     def train(self):
         """The loop, the checkpoint, then with the caller's Ctrl-C back, the final validation."""
@@ -401,60 +367,61 @@ class Trainer:
         if self.world > 1:  # no rank leaves before rank 0's checkpoint is on the disk
             dist.barrier()
             dist.destroy_process_group()
-        step = self.state["step"]
         if self.signals:
-            self.log(f"stopped by signal {self.signals[0]} at step {step}: {self.path} saved; "
-                     f"continue with --resume")
+            self.log(f"stopped by signal {self.signals[0]} at step {self.state['step']}: "
+                     f"{self.path} saved; continue with --resume")
             raise SystemExit(128 + self.signals[0])
-        if self.rank == 0:
-            self.validate()
-        self.log(f"done in {self.state['elapsed']:.0f}s: {step} steps, "
+        self.validate()
+        self.log(f"done in {self.state['elapsed']:.0f}s: {self.state['step']} steps, "
                  f"{self.state['seqs'] * self.c.seq_len:,} tokens; {self.path}")
         return self.raw
 
     def loop(self):
-        """The training loop. `used`, the fraction of the budget used, sets each step's learning
-        rate and batch; a log line, a validation and a checkpoint come when their seconds are up."""
+        """The training loop. Each step reads the clock once, and that reading decides all: the
+        budget used (so lr and batch), and whether a log line, validation or checkpoint is due."""
         args, state = self.args, self.state
         start = time.time() - state["elapsed"]  # the run's clock: a resume goes on from its time
-        next_log = 0.0  # each process logs its first step at once
+        next_log = state["elapsed"]  # the first step is logged at once
         next_eval = state["elapsed"] + args.eval_every
         next_save = state["elapsed"] + args.save_every
         window = dict(seconds=0.0, seqs=0, losses=[])  # the steps since the last log line
-        compiling = self.compiles
+        compiling = self.device.type == "cuda" and not args.no_compile  # the first step compiles
+        lr = batch = None  # the last step's, for its log line
         while True:
-            # the clock and the signal count, all-reduced together: ranks that disagreed on the
-            # budget used would pick different accumulation counts and hang DDP
-            clock = torch.tensor([time.time() - start, len(self.signals)], dtype=torch.float64)
-            if self.world > 1:
-                clock = clock.to(self.device)
-                dist.all_reduce(clock, dist.ReduceOp.MAX)
-            state["elapsed"], signals = clock.tolist()
-            used = state["step"] / args.steps if args.steps else state["elapsed"] / args.time
-            if signals or used >= 1:
-                return
-            lr = schedule(used, args.lr)
-            accum = ramp(used, args.batch_size, args.micro_batch * self.world)
-            t = time.time()
-            loss = self.train_step(lr, accum)
-            window["seconds"] += time.time() - t  # the rate counts training only: no saves
-            batch = accum * args.micro_batch * self.world
-            state["step"] += 1
-            state["seqs"] += batch
-            window["seqs"] += batch
-            window["losses"].append(loss)
-            state["elapsed"] = time.time() - start
-            if state["elapsed"] >= next_log:
+            now, signals = self.shared_clock(start)  # this step's one reading of the clock
+            state["elapsed"] = now
+            used = state["step"] / args.steps if args.steps else now / args.time
+            if window["losses"] and now >= next_log:  # the steps since the last line
                 self.log_steps(lr, batch, window, compiling)
                 window = dict(seconds=0.0, seqs=0, losses=[])
                 compiling = False
-                next_log = state["elapsed"] + args.log_every
-            if args.eval_every and state["elapsed"] >= next_eval and self.rank == 0:
+                next_log = now + args.log_every
+            if signals or used >= 1:
+                return
+            if args.eval_every and now >= next_eval and state["step"]:
                 self.validate()
-                next_eval = time.time() - start + args.eval_every
-            if state["elapsed"] >= next_save:
+                next_eval = now + args.eval_every
+            if now >= next_save and state["step"]:
                 self.save()
-                next_save = time.time() - start + args.save_every
+                next_save = now + args.save_every
+            lr = schedule(used, args.lr)
+            accum = ramp(used, args.batch_size, args.micro_batch * self.world)
+            batch = accum * args.micro_batch * self.world
+            t = time.time()
+            window["losses"].append(self.train_step(lr, accum))
+            window["seconds"] += time.time() - t  # the rate's own timer: training only, no saves
+            window["seqs"] += batch
+            state["step"] += 1
+            state["seqs"] += batch
+
+    def shared_clock(self, start):
+        """(seconds since the run's start, signals received): each the largest of the ranks'. Ranks
+        that disagreed on the budget used would pick different accumulation counts and hang DDP."""
+        clock = torch.tensor([time.time() - start, len(self.signals)], dtype=torch.float64)
+        if self.world > 1:
+            clock = clock.to(self.device)
+            dist.all_reduce(clock, dist.ReduceOp.MAX)
+        return clock.tolist()  # [seconds, signals]
 
     def train_step(self, lr, accum):
         """One optimizer step of `accum` micro-batches: their mean gradient, clipped -> the loss."""
@@ -473,8 +440,8 @@ class Trainer:
         norm = nn.utils.clip_grad_norm_(self.raw.parameters(), CLIP)
         loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one wait for the GPU
         if not math.isfinite(norm):  # before the update: the weights never see it, nor a save
-            die(f"loss not finite at step {self.state['step'] + 1}: rerun with a lower --lr in a "
-                f"new --out")
+            die(f"gradient not finite at step {self.state['step'] + 1}: rerun with a lower --lr in "
+                f"a new --out")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss
@@ -482,9 +449,8 @@ class Trainer:
     def log_steps(self, lr, batch, window, compiling):
         """The log line of the steps since the last one, its record built field by field."""
         args, state, T = self.args, self.state, self.c.seq_len
-        loss = sum(window["losses"]) / len(window["losses"])
-        record = dict(step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * T, loss=loss,
-                      lr=lr, batch=batch)
+        record = dict(step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * T,
+                      loss=sum(window["losses"]) / len(window["losses"]), lr=lr, batch=batch)
         if compiling:  # the first step compiles the model: its rate would read as a 900x slowdown
             record["compiled"] = round(window["seconds"], 1)
         else:
@@ -498,13 +464,25 @@ class Trainer:
         self.log(**record)
 
     def validate(self):
-        """Held-out masked-LM loss and accuracy on --eval-rows rows of val.bin, logged."""
-        if not len(self.val):  # --eval-rows 0
+        """Held-out masked-LM loss and accuracy on --eval-rows rows of val.bin, logged (rank 0)."""
+        if self.rank != 0 or not len(self.val):  # --eval-rows 0
             return
         loss, acc = evaluate(self.raw, self.val, self.specials, self.args.micro_batch, self.device)
         state = self.state
         self.log(step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * self.c.seq_len,
                  elapsed=round(state["elapsed"], 1), val_loss=loss, val_acc=acc)
+
+    def log(self, line="", **record):
+        """A line, or a record: printed as one ('step 3 | loss 4.5000 | ...'), kept in log.jsonl."""
+        if self.rank == 0:
+            fields = (LOG_FORMAT[k].format(v) for k, v in record.items() if k in LOG_FORMAT)
+            print(line or " | ".join(fields), flush=True)
+            if record:
+                print(json.dumps(record), file=self.logf, flush=True)
+
+    def on_signal(self, signum, frame):  # said at once: a CPU step of the paper's model is slow
+        print(f"signal {signum}: the run stops after this step and saves", flush=True)
+        self.signals.append(signum)
 
     def save(self):
         """Rank 0 writes the checkpoint atomically: a crash or a full disk leaves the last one."""
@@ -550,6 +528,31 @@ def fill(args, device):
 
 
 # ----------------------------------------------------------------------------- plumbing
+def pick_micro_batch(device, batch_size):
+    """The micro-batch when no --micro-batch is given, by the GPU's memory -> (size, why)."""
+    if device.type != "cuda":
+        return min(MICRO_BATCH, batch_size), "v2's"
+    gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+    size = next(size for least_gb, size in GPU_MICRO_BATCH.items() if gb >= least_gb)
+    return min(size, batch_size), f"the GPU has {gb:.0f} GB: 512 from 40 GB, 256 from 20, else 128"
+
+
+def peak_flops(device):
+    """MFU's denominator, the GPU's dense bf16 peak -> (FLOP/s, the log line that says so)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
+    for key, peak in GPU_PEAK_FLOPS.items():  # in the table's order
+        if key in name:
+            return peak, f"MFU against the {name}'s dense bf16 peak, {peak / 1e12:.0f} TFLOP/s"
+    return PEAK_FLOPS, (f"MFU against the H100's dense bf16 peak, {PEAK_FLOPS / 1e12:.0f} "
+                        f"TFLOP/s ({name} is not in GPU_PEAK_FLOPS)")
+
+
+LOG_FORMAT = {"step": "step {}", "tokens": "{:,} tok", "loss": "loss {:.4f}", "lr": "lr {:.2e}",
+              "batch": "batch {}", "compiled": "compiled in {:.0f}s", "tok_s": "{:,} tok/s",
+              "mfu": "mfu {:.1%}", "elapsed": "{:,.0f}s elapsed", "left": "{:,.0f}s left",
+              "val_loss": "val loss {:.4f}", "val_acc": "accuracy {:.1%}"}  # how a record prints
+
+
 def load_checkpoint(path, meta=None, tok=None, hint=""):
     """A cram checkpoint; given prepared data, it must share the data's tokenizer and rows."""
     try:
@@ -582,14 +585,14 @@ def get_args(argv=None):
     arg = ap.add_argument
     arg("--data", default="data", help="folder written by prepare.py")
     arg("--out", default="out", help="folder for ckpt.pt and log.jsonl")
-    arg("--time", type=float, default=BUDGET, help="budget in seconds, compilation included")
-    arg("--steps", type=int, help="budget in optimizer steps instead (reproducible runs)")
+    arg("--time", type=above_zero(float), default=BUDGET, help="budget in seconds, compiling too")
+    arg("--steps", type=above_zero(int), help="budget in optimizer steps instead (reproducible)")
     arg("--preset", choices=PRESETS, default="crammed", help="the paper's, or tiny: the CPU demo")
     for k in ("layers", "width", "heads", "ffn"):
         arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
     arg("--micro-batch", type=int, help="sequences per forward pass (default: by the GPU's memory)")
-    arg("--batch-size", type=int, help=f"sequences per step at the end of the ramp ({BATCH_SIZE})")
-    arg("--lr", type=learning_rate_flag, help=f"peak learning rate ({LR})")
+    arg("--batch-size", type=int, help="sequences per step at the end of the ramp (the preset's)")
+    arg("--lr", type=above_zero(float), help="peak learning rate (the preset's)")
     arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
     arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
@@ -597,14 +600,14 @@ def get_args(argv=None):
     arg("--eval-every", type=float, default=0, help="seconds between held-out evaluations")
     arg("--eval-rows", type=int, default=2048, help="held-out rows for the loss and accuracy")
     arg("--save-every", type=float, default=1800, help="seconds between checkpoints")
-    arg("--resume", action="store_true", help="continue OUT/ckpt.pt, with the run's own settings")
+    arg("--resume", action="store_true", help="continue OUT/ckpt.pt with the run's own settings")
     arg("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK], no training")
     arg("--ckpt", help="checkpoint for --fill (default: OUT/ckpt.pt)")
-    args = ap.parse_args(argv)  # then the preset fills in what no flag gave
-    vars(args).update({k: v for k, v in PRESETS[args.preset].items() if vars(args).get(k) is None})
-    if args.width % args.heads or args.ffn % 2:
+    args = ap.parse_args(argv)  # the flags as given: run_settings adds the preset's
+    model = {**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if v is not None}}
+    if model["width"] % model["heads"] or model["ffn"] % 2:
         ap.error("--width must divide by --heads, and --ffn be even")
-    if args.micro_batch and args.batch_size < args.micro_batch:
+    if model["micro_batch"] and model["batch_size"] < model["micro_batch"]:
         ap.error("--batch-size must be at least --micro-batch")
     args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
     return args

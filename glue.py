@@ -4,24 +4,23 @@
     python glue.py --ckpt out/ckpt.pt --random-init                  # the "no pretraining" row"""
 import argparse, collections, json, math, os, pathlib, zipfile
 
-from prepare import Progress, atomic, die, download, entry, learning_rate_flag, load_tokenizer
-from prepare import normalize
-
 import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
-from cram import Crammed, autocast, load_checkpoint, load_model, pick_device, to_device
+
+from cram import BETAS, INIT_STD, MICRO_BATCH, Crammed, autocast, load_checkpoint, load_model
+from cram import pick_device, to_device
+from prepare import Progress, above_zero, atomic, die, download, entry, load_tokenizer, normalize
 
 # ----------------------------------------------------------------------------- the "sane" recipe
 LR = 4e-5            # peak AdamW learning rate
 BATCH_SIZE = 16      # examples per optimizer step
 EPOCHS = 5           # the challenge allows at most 5, one recipe for every task
 WARMUP = 0.1         # linear warm-up over this fraction of the steps, then cosine decay to zero
-BETAS = (0.9, 0.98)  # AdamW's betas, as in pretraining
-EPS = 1e-6           # AdamW's epsilon
+EPS = 1e-6           # AdamW's epsilon; its betas are pretraining's (cram.BETAS), as in v2
 WEIGHT_DECAY = 0.0   # none: five short epochs from a pretrained start
 DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretraining has none)
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
-BUCKET = 32          # on a GPU a batch is cut to a multiple of this: few shapes to compile
+BUCKET = 32          # a compiled model's batch is cut to a multiple of this: few shapes to compile
 SETTING = ["epochs", "lr", "batch_size", "max_train_samples", "trials"]  # results that compare
 
 Task = collections.namedtuple("Task", "zip a b label labels")  # columns of the texts and the label
@@ -108,8 +107,8 @@ class Classifier(nn.Module):
         self.encoder, self.pad = encoder, pad
         self.head = nn.Sequential(nn.Linear(encoder.config.width, HEAD_DIM), nn.Tanh(),
                                   nn.Dropout(DROPOUT), nn.Linear(HEAD_DIM, n_out))
-        for m in self.head[0], self.head[3]:  # the encoder's init: normal(0, 0.02)
-            nn.init.normal_(m.weight, std=0.02)
+        for m in self.head[0], self.head[3]:  # the encoder's init
+            nn.init.normal_(m.weight, std=INIT_STD)
             nn.init.zeros_(m.bias)
 
     def forward(self, idx):  # idx (B, T) cut by `bucket`: the model reads no length off the GPU
@@ -140,10 +139,10 @@ def finetune(ckpt, task, train, devs, args, trial, device):
         encoder = Crammed(encoder.config)
     model = Classifier(encoder, 1 if labels is None else len(labels), pad).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, fused=True,
-                            weight_decay=WEIGHT_DECAY)  # fused: one kernel a tensor, on CPUs too
+                            weight_decay=WEIGHT_DECAY)  # fused kernels: torch has them on CPUs too
     step_model, multiple = model, 1  # eager: cut to the longest row; padding only costs time
     if device.type == "cuda" and not args.no_compile:  # compiled: a graph per bucket length
-        torch._dynamo.reset()  # dynamo keeps 8 graphs: one run's 4 lengths and last batch fit
+        torch._dynamo.reset()  # dynamo compiles 8 graphs at most: a run's 4 lengths and last fit
         step_model = torch.compile(model, dynamic=False, fullgraph=True)
         multiple = BUCKET
     ids, ys = train
@@ -164,9 +163,9 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     model.eval()  # the eager model: no more shapes to compile
     scores = {}
     with torch.no_grad(), autocast(device):
-        for split, (dev_ids, dev_ys) in devs.items():  # 128 rows at a time
+        for split, (dev_ids, dev_ys) in devs.items():  # v2's micro-batch of rows at a time
             out = torch.cat([model(to_device(bucket(rows, pad, multiple), device)).cpu()
-                             for rows in dev_ids.split(128)])
+                             for rows in dev_ids.split(MICRO_BATCH)])
             preds = out[:, 0] if labels is None else out.argmax(-1)
             scores[split] = score(task, preds.numpy(), dev_ys.numpy())
     return scores
@@ -272,7 +271,7 @@ def get_args(argv):
     arg("--glue-dir", default="data/glue", help="GLUE task folders (default: %(default)s)")
     arg("--tasks", default="CoLA,SST-2,MRPC,STS-B,QQP,MNLI,QNLI,RTE", help="default: all but WNLI")
     arg("--epochs", type=int, default=EPOCHS, help="per task (default: %(default)s)")
-    arg("--lr", type=learning_rate_flag, default=LR, help="peak AdamW lr (default: %(default)s)")
+    arg("--lr", type=above_zero(float), default=LR, help="peak AdamW lr (default: %(default)s)")
     arg("--batch-size", type=int, default=BATCH_SIZE, help="(default: %(default)s)")
     arg("--seed", type=int, default=0, help="trial k uses seed + k - 1 (default: %(default)s)")
     arg("--trials", type=int, default=TRIALS, help="runs; median reported (default: %(default)s)")

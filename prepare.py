@@ -11,29 +11,17 @@ import mmap, multiprocessing, os, pathlib, re, signal, sys, threading, time, uni
 from collections import Counter, defaultdict, deque, namedtuple
 from concurrent.futures import ThreadPoolExecutor
 
-
-# Ctrl-C while the modules load (numpy; torch, for seconds, in cram.py and glue.py, which import
-# prepare first) is `entry`'s one line and exit 130, not a traceback; importing keeps Python's.
-def interrupted_at_start(signum, frame):
-    print("error: interrupted", file=sys.stderr, flush=True)
-    os._exit(130)  # at once: nothing is written yet
-
-
-if os.path.basename(sys.argv[0]) in ("prepare.py", "cram.py", "glue.py"):
-    signal.signal(signal.SIGINT, interrupted_at_start)  # until `entry` gives it back to Python
-
 import numpy as np, requests, tiktoken
 
 # ----------------------------------------------------------------------------- the recipe
 VOCAB_SIZE = 32768  # the paper's vocabulary, special tokens included
 SEQ_LEN = 128       # the paper's row length: short rows are what make one day enough
 TRASH = 0.3         # the paper: keep a document only if it has fewer tokens than 0.3 x characters
-SAMPLE_MB = 100     # text the tokenizer learns from: half as much (C4, 32768 tokens) gives 90% of
-                    # the same tokens, and 0.2% more tokens on held-out text
+SAMPLE_MB = 100     # MB the tokenizer learns from; less tokenises worse (the README's Measurements)
 SPECIALS = ["[PAD]", "[CLS]", "[SEP]", "[MASK]"]  # they take the last ids of the vocabulary
 # GPT-2 style pre-tokenisation that Python's `re` (training) and tiktoken (encoding) split alike
 PATTERN = r"""'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+"""
-VAL_EVERY = 200     # every 200th document is held out, so validation is spread over the text
+VAL_EVERY = 200     # every 200th document until VAL_CAP: a sample of the first ~4% of 5.5 B tokens
 VAL_CAP = 1 << 20   # up to ~1 M tokens (0.02% of 5.5 B): 4x what cram.py validates on, by default
 SHARDS = 33         # C4 shards (~0.17 B tokens each) for the paper's 5.5 B tokens; see the README
 C4_URL = ("https://huggingface.co/datasets/allenai/c4/resolve/main/en/"
@@ -43,15 +31,10 @@ RETRIES = 5         # download attempts; the waits between them double: ~30 s of
 BACKOFF = 2.0       # the first wait (s)
 
 
-# ----------------------------------------------------------------------------- cleaning
-def normalize(text):
-    """v2's cleaning: NFD splits off accents, then all non-ASCII goes (accents, curly quotes,
-    dashes, emoji), lowercase, whitespace collapsed: 'Café — NAÏVE\\n' -> 'cafe naive'."""
-    text = unicodedata.normalize("NFD", text).encode("ascii", "ignore").decode()
-    return " ".join(text.lower().split())
+# ----------------------------------------------------------------------------- reading
+# A document's way: file -> jobs (main process) -> a worker (texts, normalize; count_chunks or
+# encode_job) -> in_order, back to the main process (train_tokenizer, or pack: held_out?) -> rows
 
-
-# ----------------------------------------------------------------------------- reading, in workers
 def read_records(f, is_json):
     """A file's records, as bytes: each line of a .json* file, each paragraph of a .txt file."""
     lines = (line.strip() for line in f)
@@ -80,6 +63,25 @@ def jobs(files):
             yield is_json, job
 
 
+def in_order(pool, fn, extra, files, workers):
+    """fn(job, *extra) for each job of the files, on the pool, results in order. At most two jobs
+    per worker are in flight, so memory stays flat (Pool.imap would read every file ahead)."""
+    handed_out = (pool.apply_async(fn, (job, *extra)) for job in jobs(files))
+    pending = deque(itertools.islice(handed_out, 2 * workers))
+    while pending:
+        result = pending.popleft().get()
+        pending.extend(itertools.islice(handed_out, 1))  # the next job takes its place
+        yield result
+
+
+# ----------------------------------------------------------------------------- in the workers
+def normalize(text):
+    """v2's cleaning: NFD splits off accents, then all non-ASCII goes (accents, curly quotes,
+    dashes, emoji), lowercase, whitespace collapsed: 'Café — NAÏVE\\n' -> 'cafe naive'."""
+    text = unicodedata.normalize("NFD", text).encode("ascii", "ignore").decode()
+    return " ".join(text.lower().split())
+
+
 def texts(is_json, records):
     """Each record's normalised text, or None for a bad record (broken JSON or UTF-8, no text)."""
     for record in records:
@@ -91,7 +93,7 @@ def texts(is_json, records):
 
 
 def count_chunks(job):
-    """In a worker, for the tokenizer: (count of each pre-tokenised chunk, characters) of a job."""
+    """For the tokenizer: (count of each pre-tokenised chunk, characters) of a job."""
     counts, chars = Counter(), 0
     for text in filter(None, texts(*job)):  # the good records
         counts.update(re.findall(PATTERN, text))
@@ -102,7 +104,7 @@ def count_chunks(job):
 Doc = namedtuple("Doc", "key chars ids")  # a document: a hash of its text, its length, its tokens
 
 
-@functools.cache  # in a worker: the rank file is read once, at its first job
+@functools.cache  # the rank file is read once per worker, at its first job
 def worker_tokenizer(rank_file, pattern):
     return load_tokenizer({"ranks": pathlib.Path(rank_file).read_text(), "pattern": pattern})
 
@@ -117,72 +119,65 @@ def encode_job(job, rank_file, pattern):
     return docs
 
 
-def in_order(pool, fn, extra, files, workers):
-    """fn(job, *extra) for each job of the files, on the pool, results in order. At most two jobs
-    per worker are in flight, so memory stays flat (Pool.imap would read every file ahead)."""
-    handed_out = (pool.apply_async(fn, (job, *extra)) for job in jobs(files))
-    pending = deque(itertools.islice(handed_out, 2 * workers))
-    while pending:
-        result = pending.popleft().get()
-        pending.extend(itertools.islice(handed_out, 1))  # the next job takes its place
-        yield result
-
-
 # ----------------------------------------------------------------------------- the tokenizer
 def train_bpe(counts, n_vocab):
     """Byte-level BPE: merge the most frequent adjacent pair (ties: the smaller) into a new token,
     over and over. A word (a pre-tokenised chunk) is a str of chr(id)s, so a merge is a str.replace:
     {' cat': 3, ' hat': 2} has pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha' 2; 'at' becomes
     chr(256): [' c\u0100', ' h\u0100'], vocab[256] = b'at', new pairs 'c\u0100' 3, 'h\u0100' 2.
-    minbpe counts every pair of every word again at each merge; an index from each pair to the
-    words that hold it avoids that: a merge visits only its pair's words and updates the counts."""
+    test_cram.py's naive_bpe counts all pairs again per merge (a test checks both agree); here a
+    merge visits only its pair's words, by three rules: (1) words_with is never pruned: words that
+    lost the pair are skipped; (2) a merge sums its `changes` to the counts and pushes each changed
+    pair again, with its new count; (3) so a popped entry with an old count is stale: skip it."""
     words = ["".join(map(chr, word.encode())) for word in counts]
     freqs = list(counts.values())  # freqs[i]: how often words[i] is in the text
     pair_counts = defaultdict(int)  # a pair's count in the words, times their freqs
-    words_with = defaultdict(set)  # a pair -> the words that hold it (and some that did)
+    words_with = defaultdict(set)  # a pair -> the words that hold it (and some that did: (1))
     for i, word in enumerate(words):
         for j in range(len(word) - 1):
             pair_counts[word[j:j + 2]] += freqs[i]
             words_with[word[j:j + 2]].add(i)
-    # the most frequent pair pops first, of a tie the smaller (2-char strs order like pairs of ids)
     heap = [(-count, pair) for pair, count in pair_counts.items()]
-    heapq.heapify(heap)
+    heapq.heapify(heap)  # the most frequent pair first; 2-char strs order as pairs of ids do
     vocab = [bytes([b]) for b in range(256)]  # vocab[id]: the token's bytes
     progress = Progress("tokenizer", n_vocab - 256, "merges")
     while len(vocab) < n_vocab and heap:
         minus_count, pair = heapq.heappop(heap)
         if -minus_count != pair_counts.get(pair):
-            continue  # a stale entry: the count has changed since, and was pushed anew
+            continue  # stale (3)
         if -minus_count < 2:
             break  # nothing left that repeats: a smaller vocabulary is all this text supports
         token = chr(len(vocab))  # the merged pair's id, as a char
         vocab.append(vocab[ord(pair[0])] + vocab[ord(pair[1])])
-        changes = defaultdict(int)  # what this merge adds to each pair's count
+        changes = defaultdict(int)  # a pair -> what this merge adds to its count (2)
         for i in words_with.pop(pair):
-            word, freq = words[i], freqs[i]
-            merged = word.replace(pair, token)
-            if len(merged) == len(word):
-                continue  # an earlier merge took the pair from this word: the index is not pruned
-            for j in range(len(word) - 1):
-                changes[word[j:j + 2]] -= freq
-            for j in range(len(merged) - 1):
-                pair_after = merged[j:j + 2]
-                changes[pair_after] += freq
-                if token in pair_after:
-                    words_with[pair_after].add(i)
-            words[i] = merged
+            if pair in words[i]:  # not every word listed still holds the pair (1)
+                words[i] = merge_word(words[i], i, freqs[i], pair, token, changes, words_with)
         for changed_pair, change in changes.items():
-            if change:  # a pair down to 0 (`pair` among them) stays: it never comes back
+            if change:  # a pair down to 0 (`pair` among them) stays 0: it never comes back
                 pair_counts[changed_pair] += change
                 heapq.heappush(heap, (-pair_counts[changed_pair], changed_pair))
         progress(len(vocab) - 256)
     return {token_bytes: i for i, token_bytes in enumerate(vocab)}
 
 
+def merge_word(word, i, freq, pair, token, changes, words_with):
+    """word=' cat' (words[i]), freq=3, pair='at', token='\u0100' -> ' c\u0100'; changes 'ca' -3,
+    'at' -3, 'c\u0100' +3 (' c' -3 +3); i joins words_with['c\u0100'] (a new pair holds token)."""
+    merged = word.replace(pair, token)
+    for j in range(len(word) - 1):
+        changes[word[j:j + 2]] -= freq  # every pair of the word goes,
+    for j in range(len(merged) - 1):
+        pair_after = merged[j:j + 2]
+        changes[pair_after] += freq  # every pair of the merged word comes: the kept ones cancel
+        if token in pair_after:  # the pairs a merge creates all hold its token
+            words_with[pair_after].add(i)
+    return merged
+
+
 def load_tokenizer(tok):
-    """tiktoken.Encoding from the dict in meta.json / checkpoints; its "ranks" are the text of a
-    rank file, a line per token: its bytes in base64, its id. 'IGNhdA== 1000': b' cat' is 1000.
-    A rank is tiktoken's word for a token's id: lower ranks merge first, as train_bpe made them."""
+    """tiktoken.Encoding of the dict in meta.json or a checkpoint; "ranks": a rank file's text, a
+    line a token: its bytes in base64, its id, lowest first ('IGNhdA== 1000': b' cat' is 1000)."""
     lines = map(str.split, tok["ranks"].splitlines())
     vocab = {base64.b64decode(b64): int(rank) for b64, rank in lines}
     return tiktoken.Encoding("cram", pat_str=tok["pattern"], mergeable_ranks=vocab,
@@ -217,10 +212,17 @@ def close_rows(f, seq_len):
     return rows
 
 
+def held_out(kept, val_tokens, seq_len):
+    """Whether the next kept document goes to val.bin: every VAL_EVERY-th (a sample, not one run of
+    text), and any while val holds less than a row (small inputs get one); none from VAL_CAP on."""
+    return val_tokens < VAL_CAP and (kept % VAL_EVERY == 0 or val_tokens < seq_len)
+
+
 def pack(pool, files, rank_file, tok, args):
-    """Documents in order, exact duplicates and trash dropped, joined by [SEP] into rows: every
-    VAL_EVERY-th into val.bin (and the first ones, until val has a row), the rest to train.bin."""
-    stats, seen = Counter(), set()  # what was kept and dropped; the kept documents' keys
+    """Documents in order, exact duplicates and trash dropped, joined by [SEP] into rows: those
+    `held_out` picks into val.bin, the rest into train.bin; -> train rows, val rows, the report."""
+    stats, seen = Counter(), set()  # the report: what was kept and dropped; the kept ones' keys
+    val_tokens = 0  # in val.bin so far, [SEP]s included
     sep = np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
     train, val = (open(os.path.join(args.out, f"{split}.bin"), "wb") for split in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
@@ -234,13 +236,12 @@ def pack(pool, files, rank_file, tok, args):
             elif args.trash and len(doc.ids) >= args.trash * doc.chars:  # the trash filter
                 stats.update(trash=1, trash_chars=doc.chars)
             else:
-                seen.add(doc.key)
-                held_out = stats["documents"] % VAL_EVERY == 0 or stats["val_tokens"] < args.seq_len
-                if held_out and stats["val_tokens"] < VAL_CAP:
+                if held_out(len(seen), val_tokens, args.seq_len):  # len(seen): the documents kept
                     to_val += [doc.ids, sep]
-                    stats["val_tokens"] += len(doc.ids) + 1
+                    val_tokens += len(doc.ids) + 1
                 else:
                     to_train += [doc.ids, sep]
+                seen.add(doc.key)
                 stats.update(documents=1, characters=doc.chars, tokens=len(doc.ids))
         train.write(b"".join(ids.tobytes() for ids in to_train))
         val.write(b"".join(ids.tobytes() for ids in to_val))
@@ -276,21 +277,22 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
-def learning_rate_flag(text):
-    """The argparse type of cram.py's and glue.py's --lr: nan, inf, 0 and below are refused in
-    argparse's one line ('argument --lr: nan is not a finite number above 0'), not by AdamW."""
-    lr = float(text)
-    if not 0 < lr < float("inf"):
-        raise argparse.ArgumentTypeError(f"{lr} is not a finite number above 0")
-    return lr
+def above_zero(kind):
+    """An argparse type: a finite number above 0, or argparse's one line ('argument --lr: nan is not
+    a finite number above 0'), not a run gone wrong (--time -1 never ends, --steps 0 runs a day)."""
+    def parse(text):
+        number = kind(text)
+        if not 0 < number < float("inf"):
+            raise argparse.ArgumentTypeError(f"{number} is not a finite number above 0")
+        return number
+    parse.__name__ = kind.__name__  # argparse names it in its message for 'abc': 'invalid float'
+    return parse
 
 
 def entry(main):
     """Each script's one handler: Ctrl-C exits with 130, an OS error is one line naming the file."""
     @functools.wraps(main)
     def guarded(argv=None):
-        if signal.getsignal(signal.SIGINT) is interrupted_at_start:
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's again, from here
         try:
             return main(argv)
         except KeyboardInterrupt:

@@ -481,19 +481,6 @@ def test_the_eta_waits_for_the_rate_to_settle(monkeypatch, capsys):
     assert capsys.readouterr().err == "SST-2: 600/1,000 ex, ETA 0:03, 109.1 ex/s\n"
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/<pid>/maps")
-@pytest.mark.parametrize("script, flags", [("prepare.py", ["--input", "/dev/stdin", "--out", "out"]),
-                                           ("cram.py", ["--data", "none", "--out", "out"]), ("glue.py", ["--ckpt", "none.pt"])])
-def test_ctrl_c_while_a_script_starts_is_one_line(tmp_path, script, flags):
-    """Ctrl-C while the modules load, before `entry` runs (torch's import takes seconds)."""
-    child = subprocess.Popen([sys.executable, os.path.join(HERE, script), *flags], cwd=tmp_path, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while child.poll() is None and "/numpy/" not in open(f"/proc/{child.pid}/maps").read():
-        time.sleep(0.005)  # until numpy loads: the child is importing, after prepare.py's first lines
-    child.send_signal(signal.SIGINT)
-    err = child.communicate(timeout=120)[1]
-    assert (child.returncode, err) == (130, "error: interrupted\n")
-
-
 # ----------------------------------------------------------------------------- cram.py
 TINY = ["--layers", "2", "--width", "64", "--heads", "2", "--ffn", "128", "--micro-batch", "8", "--batch-size", "16",
         "--device", "cpu", "--log-every", "0", "--eval-rows", "64"]
@@ -613,7 +600,7 @@ def test_what_a_newcomer_reads(tmp_path, data, capsys, monkeypatch):
     prep(str(tmp_path), make_docs(200), "--seq-len", "128", name="big")
     monkeypatch.setattr(cram.Trainer, "train", lambda self: None)
     cram.main(["--data", str(big), "--out", str(tmp_path / "b"), "--device", "cpu"])
-    assert "the README's CPU demo learns in minutes: --preset tiny" in capsys.readouterr().out
+    assert "its CPU demo learns in minutes: --preset tiny" in capsys.readouterr().out
 
 
 def test_a_run_of_steps_reports_its_own_time(tmp_path, data, capsys):
@@ -780,7 +767,7 @@ def test_a_non_finite_step_stops_with_one_line(tmp_path, data, monkeypatch):
     monkeypatch.setattr(cram.F, "cross_entropy", lambda *a, **k: ce(*a, **k) * float("nan"))
     with pytest.raises(SystemExit) as e:  # no checkpoint yet, and --resume would repeat the step
         cram.main(["--data", data, "--out", str(tmp_path), "--steps", "100", *TINY])
-    assert str(e.value) == "error: loss not finite at step 1: rerun with a lower --lr in a new --out"
+    assert str(e.value) == "error: gradient not finite at step 1: rerun with a lower --lr in a new --out"
 
 
 def test_clear_errors(tmp_path, data):
@@ -931,7 +918,9 @@ def test_alibi_penalises_distance_and_respects_padding():
     mask[0, 10:] = False  # row 0 is 10 real tokens and padding
     padded, alone = model(x, mask), model(x[:1, :10])
     assert torch.allclose(padded[0, :10], alone[0], atol=1e-5)
-    assert cram.get_args(["--preset", "tiny"]).alibi == 1 and cram.get_args([]).alibi == 0
+    cpu = torch.device("cpu")
+    assert cram.run_settings(cram.get_args(["--preset", "tiny"]), cpu)[0].alibi == 1
+    assert cram.run_settings(cram.get_args([]), cpu)[0].alibi == 0
 
 
 def test_training_never_writes_another_runs_checkpoint(tmp_path, data):
@@ -980,6 +969,7 @@ def test_ctrl_c_is_one_line_and_handlers_come_back(tmp_path, data, monkeypatch, 
 
 def test_weight_decay_spares_only_the_layernorms():
     args = cram.get_args(["--layers", "1", "--width", "32", "--heads", "2", "--ffn", "64"])
+    args = cram.run_settings(args, torch.device("cpu"))[0]  # the preset fills in the rest
     _, raw, opt = cram.build(cram.ModelConfig(300, 16, 1, 32, 2, 64), args, torch.device("cpu"))
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
     assert opt.param_groups[0]["weight_decay"] == 0.01 and opt.param_groups[1]["weight_decay"] == 0
@@ -1355,10 +1345,15 @@ def test_glue_compiles_to_one_graph_and_an_epoch_has_at_most_four_lengths(one_th
     ids, _ = glue_rows([120] * 4 + [80] * 8 + [50] * 16 + [random.Random(i).randint(3, 20) for i in range(172)])
     batches = [glue.bucket(ids[picked], 256, glue.BUCKET) for picked in torch.randperm(200).split(16)]
     assert {b.shape[1] for b in batches} == {64, 96, 128} and len(batches[-1]) == 8
-    compiled = torch.compile(model, backend="eager", dynamic=False, fullgraph=True)
-    with torch._dynamo.config.patch(recompile_limit=5, fail_on_recompile_limit_hit=True):
-        for idx in batches:
-            compiled(idx).sum().backward()
+    graphs = []  # one per shape compiled: counted by a backend of our own, the same in every torch
+
+    def count(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+    compiled = torch.compile(model, backend=count, dynamic=False, fullgraph=True)
+    for idx in batches:
+        compiled(idx).sum().backward()
+    assert len(graphs) == len({b.shape for b in batches}) == 4  # 64, 96, 128, and the last batch
 
 
 @CUDA
