@@ -1590,6 +1590,7 @@ def test_a_chosen_micro_batch_is_said_and_kept_by_resume(tmp_path, data, capsys)
 
 @pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
                                        ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                       ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200 NVL", 835e12),
                                        ("NVIDIA RTX A6000", 155e12), ("NVIDIA GeForce RTX 4090", 165e12)])
 def test_mfu_divides_by_the_peak_of_the_gpu_it_runs_on(monkeypatch, name, peak):
     monkeypatch.setattr(cram.torch.cuda, "get_device_name", lambda device: name)
@@ -1646,3 +1647,20 @@ def test_a_learning_rate_that_cannot_work_is_refused_in_one_line(tmp_path, data,
         cram.main(["--data", data, "--out", str(tmp_path), "--steps", "1", *TINY, "--lr", lr])
     assert e.value.code == 2 and f"error: argument --lr: {float(lr)} is not a finite number above 0" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "log.jsonl")
+
+
+@pytest.mark.parametrize("flag,value,said", [("--steps", "0", "0"), ("--steps", "-3", "-3"), ("--time", "-1", "-1.0"),
+                                             ("--time", "0", "0.0"), ("--time", "inf", "inf")])
+def test_a_budget_that_cannot_work_is_refused_in_one_line(tmp_path, data, flag, value, said, capsys):
+    """--steps 0 would fall back to a day of --time; --time -1 would never end (and its lr turn negative)."""
+    with pytest.raises(SystemExit) as e:
+        cram.main(["--data", data, "--out", str(tmp_path), *TINY, flag, value])
+    assert e.value.code == 2 and f"error: argument {flag}: {said} is not a finite number above 0" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "log.jsonl")
+
+
+def test_the_first_line_says_the_batch_the_ramp_reaches(tmp_path, data, capsys):
+    """The ramp counts whole micro-batches: --batch-size 20 in micro-batches of 8 ends at 2 x 8 = 16."""
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "2", *TINY, "--batch-size", "20"])
+    assert "| batch ramps to 16 on cpu" in capsys.readouterr().out
+    assert cram.ramp(1.0, 8192, 512 * 3) * 512 * 3 == 7680  # three GPUs at 512: not 8192
