@@ -198,7 +198,7 @@ def mask_rows(rows, specials, gen):
 
 
 def masked(rows, specials, seed, device):
-    """The model's inputs: rows (numpy) masked on the CPU as a pure function of seed, on device."""
+    """The model's inputs on the device: rows (numpy) masked on the CPU, a pure function of seed."""
     rows = torch.from_numpy(rows.astype(np.int64))
     out = mask_rows(rows, specials, torch.Generator().manual_seed(seed & (2 ** 63 - 1)))
     return dict(zip(("idx", "positions", "labels"), (to_device(t, device) for t in out)))
