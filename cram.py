@@ -37,7 +37,7 @@ PRESETS = {"crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch
                         lr=6e-3, alibi=1.0)}  # ALiBi's locality, not left to discover (the README)
 # GB of GPU memory -> micro-batch, the first the GPU reaches: bigger products run faster (README)
 GPU_MICRO_BATCH = {40: 512, 20: 256, 0: MICRO_BATCH}
-# MFU's denominator: dense bf16 peaks (datasheets) by GPU name, tried in order: "H100 NVL" first
+# MFU's denominator: dense bf16 peaks (datasheets) by GPU name, tried in order: PCIe, NVL first
 GPU_PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12,
                   "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A6000": 155e12,
                   "RTX 4090": 165e12, "RTX 3090": 71e12}
@@ -377,7 +377,7 @@ class Trainer:
         return self.raw
 
     def loop(self):
-        """The training loop. Each step reads the clock once, and that reading decides all: the
+        """The training loop. Each step reads the shared clock once, and that reading decides: the
         budget used (so lr and batch), and whether a log line, validation or checkpoint is due."""
         args, state = self.args, self.state
         start = time.time() - state["elapsed"]  # the run's clock: a resume goes on from its time
@@ -451,7 +451,7 @@ class Trainer:
         args, state, T = self.args, self.state, self.c.seq_len
         record = dict(step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * T,
                       loss=sum(window["losses"]) / len(window["losses"]), lr=lr, batch=batch)
-        if compiling:  # the first step compiles the model: its rate would read as a 900x slowdown
+        if compiling:  # the first step compiles the model: its rate would count the compilation
             record["compiled"] = round(window["seconds"], 1)
         else:
             tok_s = window["seqs"] * T / window["seconds"]

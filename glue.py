@@ -20,7 +20,7 @@ WEIGHT_DECAY = 0.0   # none: five short epochs from a pretrained start
 DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretraining has none)
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
-BUCKET = 32          # a compiled model's batch is cut to a multiple of this: few shapes to compile
+BUCKET = 32          # compiled, each batch is cut to a multiple of this: few shapes to compile
 SETTING = ["epochs", "lr", "batch_size", "max_train_samples", "trials"]  # results that compare
 
 Task = collections.namedtuple("Task", "zip a b label labels")  # columns of the texts and the label

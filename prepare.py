@@ -126,9 +126,9 @@ def train_bpe(counts, n_vocab):
     {' cat': 3, ' hat': 2} has pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha' 2; 'at' becomes
     chr(256): [' c\u0100', ' h\u0100'], vocab[256] = b'at', new pairs 'c\u0100' 3, 'h\u0100' 2.
     test_cram.py's naive_bpe counts all pairs again per merge (a test checks both agree); here a
-    merge visits only its pair's words, by three rules: (1) words_with is never pruned: words that
-    lost the pair are skipped; (2) a merge sums its `changes` to the counts and pushes each changed
-    pair again, with its new count; (3) so a popped entry with an old count is stale: skip it."""
+    merge visits only its pair's words, by three rules: (1) no word leaves a set of words_with:
+    words that lost the pair are skipped; (2) a merge sums its `changes` to the counts and pushes
+    each changed pair again, with its new count; (3) so a popped entry of an old count is stale."""
     words = ["".join(map(chr, word.encode())) for word in counts]
     freqs = list(counts.values())  # freqs[i]: how often words[i] is in the text
     pair_counts = defaultdict(int)  # a pair's count in the words, times their freqs
@@ -176,8 +176,8 @@ def merge_word(word, i, freq, pair, token, changes, words_with):
 
 
 def load_tokenizer(tok):
-    """tiktoken.Encoding of the dict in meta.json or a checkpoint; "ranks": a rank file's text, a
-    line a token: its bytes in base64, its id, lowest first ('IGNhdA== 1000': b' cat' is 1000)."""
+    """tiktoken.Encoding of a checkpoint's "tokenizer" dict, or read_prepared's; "ranks": a rank
+    file's text, a line a token: its bytes in base64, its id ('IGNhdA== 1000': b' cat' is 1000)."""
     lines = map(str.split, tok["ranks"].splitlines())
     vocab = {base64.b64decode(b64): int(rank) for b64, rank in lines}
     return tiktoken.Encoding("cram", pat_str=tok["pattern"], mergeable_ranks=vocab,
@@ -363,7 +363,7 @@ def read_prepared(folder):
             path = os.path.join(folder, f"{split}.bin")
             with open(path, "rb") as f:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            mapped.madvise(mmap.MADV_RANDOM)  # random rows: no read-ahead, 6x faster cold (README)
+            mapped.madvise(mmap.MADV_RANDOM)  # random rows: no read-ahead, faster cold (README)
             rows[split] = np.frombuffer(mapped, np.uint16).reshape(-1, meta["seq_len"])
             if len(rows[split]) != meta[split]["rows"]:
                 raise ValueError(f"{len(rows[split])} rows, meta.json says {meta[split]['rows']}")
