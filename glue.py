@@ -21,7 +21,7 @@ DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretrainin
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
 BUCKET = 32          # compiled, each batch is cut to a multiple of this: few shapes to compile
-SETTING = ["epochs", "lr", "batch_size", "max_train_samples", "trials"]  # results that compare
+SETTING = ["epochs", "lr", "batch_size", "max_train_samples", "trials", "pool"]  # comparable
 
 Task = collections.namedtuple("Task", "zip a b label labels")  # columns of the texts and the label
 TASKS = {"CoLA": Task("CoLA", "sentence", None, "label", ["0", "1"]),  # b None: one sentence
@@ -100,11 +100,12 @@ def encode(enc, specials, rows, seq_len):
 
 # ----------------------------------------------------------------------------- fine-tuning
 class Classifier(nn.Module):
-    """The crammed encoder, then v2's head on its first token ([CLS], "zero_index")."""
+    """The crammed encoder, then v2's head on its first token ([CLS], "zero_index") or, with
+    --pool mean, on the mean of the non-padding positions (the CPU demo's: see the README)."""
 
-    def __init__(self, encoder, n_out, pad):
+    def __init__(self, encoder, n_out, pad, pool="first"):
         super().__init__()
-        self.encoder, self.pad = encoder, pad
+        self.encoder, self.pad, self.pool = encoder, pad, pool
         self.head = nn.Sequential(nn.Linear(encoder.config.width, HEAD_DIM), nn.Tanh(),
                                   nn.Dropout(DROPOUT), nn.Linear(HEAD_DIM, n_out))
         for m in self.head[0], self.head[3]:  # the encoder's init
@@ -112,7 +113,11 @@ class Classifier(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx):  # idx (B, T) cut by `bucket`: the model reads no length off the GPU
-        return self.head(self.encoder(idx, idx != self.pad)[:, 0]).float()
+        not_pad = idx != self.pad
+        h = self.encoder(idx, not_pad)  # (B, T, width)
+        if self.pool == "mean":  # padding adds nothing to the sum, nor to the count
+            return self.head((h * not_pad[..., None]).sum(1) / not_pad.sum(1, keepdim=True)).float()
+        return self.head(h[:, 0]).float()
 
 
 def bucket(rows, pad, multiple):
@@ -137,7 +142,7 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     encoder = load_model(ckpt, dropout=DROPOUT)
     if args.random_init:  # the same model from random weights: the "no pretraining" row
         encoder = Crammed(encoder.config)
-    model = Classifier(encoder, 1 if labels is None else len(labels), pad).to(device)
+    model = Classifier(encoder, 1 if labels is None else len(labels), pad, args.pool).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, fused=True,
                             weight_decay=WEIGHT_DECAY)  # fused kernels: torch has them on CPUs too
     step_model, multiple = model, 1  # eager: cut to the longest row; padding only costs time
@@ -279,6 +284,7 @@ def get_args(argv):
     arg("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
     arg("--random-init", action="store_true", help="no pretraining; into glue-random-init.json")
+    arg("--pool", choices=["first", "mean"], default="first", help="the head's input: v2's or mean")
     args = ap.parse_args(argv)
     known = {t.lower(): t for t in TASKS}  # any case: sst-2, SST-2 and Sst-2 are SST-2
     if not set(args.tasks.lower().split(",")) <= set(known):

@@ -1234,13 +1234,14 @@ def test_glue_average_is_of_one_checkpoint_and_one_setting(glue_run, capsys):
     assert saved["average"] == pytest.approx(np.mean([1, 2, 3, 4, 5, 6, 6, 7, 8]))  # MNLI: m and mm
     assert "left out" not in capsys.readouterr().out
     assert saved["results"]["RTE"]["run"] == {"checkpoint": {"step": None, "elapsed": None}, "setting": {
-        "epochs": 5, "lr": 4e-5, "batch_size": 16, "max_train_samples": None, "trials": 1}}
-    run("--tasks", "RTE", "--max-train-samples", "1")  # few-shot RTE beside full-data results
-    out = capsys.readouterr().out
-    assert json.load(open(tmp / "glue.json"))["average"] is None
-    assert "left out CoLA, MNLI-m, MNLI-mm, MRPC, QNLI, QQP, SST-2, STS-B: another checkpoint or setting" in out
+        "epochs": 5, "lr": 4e-5, "batch_size": 16, "max_train_samples": None, "trials": 1, "pool": "first"}}
+    for other in (["--max-train-samples", "1"], ["--pool", "mean"]):  # RTE beside the v2 results
+        run("--tasks", "RTE", *other)
+        out = capsys.readouterr().out
+        assert json.load(open(tmp / "glue.json"))["average"] is None
+        assert "left out CoLA, MNLI-m, MNLI-mm, MRPC, QNLI, QQP, SST-2, STS-B: another checkpoint or setting" in out
     run("--tasks", "RTE")  # back to the same setting: the nine agree again
-    assert json.load(open(tmp / "glue.json"))["average"] == pytest.approx(np.mean([1, 2, 3, 4, 5, 6, 6, 7, 10]))
+    assert json.load(open(tmp / "glue.json"))["average"] == pytest.approx(np.mean([1, 2, 3, 4, 5, 6, 6, 7, 11]))
     ckpt = torch.load(tmp / "ckpt.pt")
     torch.save({**ckpt, "step": 500, "elapsed": 1800.0}, tmp / "ckpt.pt")  # the run saved again
     run("--tasks", "CoLA")
@@ -1330,8 +1331,24 @@ def test_glue_bucketed_padding_changes_no_output():
     bucketed, trimmed = glue.bucket(ids, 256, glue.BUCKET), glue.bucket(ids, 256, 1)
     assert bucketed.shape == (3, 64) and trimmed.shape == (3, 40) and torch.equal(trimmed, ids[:, :40])
     with torch.no_grad():
-        assert torch.allclose(model(bucketed), model(trimmed), atol=1e-5, rtol=0)
-        assert torch.allclose(model(ids), model(trimmed), atol=1e-5, rtol=0)
+        for model.pool in ("first", "mean"):
+            assert torch.allclose(model(bucketed), model(trimmed), atol=1e-5, rtol=0)
+            assert torch.allclose(model(ids), model(trimmed), atol=1e-5, rtol=0)
+
+
+def test_glue_pool_mean_reads_the_mean_of_the_tokens():
+    """--pool mean: the head reads the mean of the hidden states at the non-padding positions."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=260, seq_len=64, layers=2, width=64, heads=2, ffn=128, alibi=0.5)
+    model = glue.Classifier(Crammed(cfg), 1, pad=256, pool="mean").eval()
+    ids, _ = glue_rows([3, 9], seq_len=64)  # 5 and 11 tokens
+    with torch.no_grad():
+        h = model.encoder(ids, ids != 256)  # (2, 64, width)
+        by_hand = torch.stack([h[0, :5].mean(0), h[1, :11].mean(0)])  # (2, width)
+        assert torch.allclose(model(ids), model.head(by_hand), atol=1e-5, rtol=0)
+        assert not torch.allclose(model.head(by_hand), model.head(h[:, 0]), atol=1e-3)
+        model.pool = "first"  # v2's head: the first token, [CLS]
+        assert torch.allclose(model(ids), model.head(h[:, 0]), atol=1e-5, rtol=0)
 
 
 def test_glue_compiles_to_one_graph_and_an_epoch_has_at_most_four_lengths(one_thread):
