@@ -1553,8 +1553,13 @@ def test_ctrl_c_in_the_final_validation_stops_at_once(tmp_path, data, monkeypatc
                 os.kill(os.getpid(), signal.SIGINT)
         return decode(self, hidden, positions)
     monkeypatch.setattr(cram.Crammed, "decode", signalled)
-    with pytest.raises(SystemExit) as e:
-        cram.main(["--data", data, "--out", str(tmp_path), "--steps", "1", *TINY, "--micro-batch", "1"])
+    # the caller's Ctrl-C is Python's, as in a terminal; a shell's `cmd &` would have it ignored
+    caller = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(SystemExit) as e:
+            cram.main(["--data", data, "--out", str(tmp_path), "--steps", "1", *TINY, "--micro-batch", "1"])
+    finally:
+        signal.signal(signal.SIGINT, caller)
     assert e.value.code == 130 and len(after) == 1  # stopped after the micro-batch it was in
     assert not any("val_loss" in r for r in records(str(tmp_path)))  # no half-validation logged
     assert capsys.readouterr().err == "error: interrupted\n"
