@@ -4,13 +4,13 @@
     python cram.py --preset tiny --time 600      # the CPU demo (see the README)
     python cram.py --fill "the capital of france is [MASK]."    # ask the trained model
     torchrun --nproc_per_node 8 cram.py ...      # several GPUs (DDP)"""
-import argparse, datetime, json, math, os, signal, time
+import argparse, datetime, json, math, os, re, signal, time
 from dataclasses import asdict, dataclass
 
 import numpy as np, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
 
-from prepare import Progress, above_zero, atomic, die, entry, load_tokenizer, normalize
-from prepare import read_prepared
+from prepare import SEQ_LEN, VOCAB_SIZE, Progress, above_zero, atomic, die, entry, load_tokenizer
+from prepare import normalize, read_prepared
 
 # ----------------------------------------------------------------------------- the recipe
 BUDGET = 86400          # seconds: one day on one GPU, compilation included
@@ -22,46 +22,50 @@ CLIP = 0.5              # gradient-norm clipping: the paper's guard against loss
 LR_START = 0.25         # budget-triangle2: lr starts at 25% of the peak ...
 LR_FALL = 4.0           # ... and falls as 4(1 - x), so it peaks at x = 0.75 and ends at zero
 RAMP_END = 0.6          # the batch reaches --batch-size at 60% of the budget
-MICRO_BATCH = 128       # sequences per forward pass: v2's; here the CPU's and a GPU's under 20 GB
+RAMP_FIRST = 1 / 8      # the ramp's first step is at most this share of the batch (v2's: 1/64)
+MICRO_BATCH = 128       # sequences per forward pass: v2's, for a GPU of 24 GB
 BATCH_SIZE = 8192       # sequences per step at the end of the ramp: a GPU day wants big batches
 MASK_RATE = 0.25        # v2 masks 25% of the tokens (BERT: 15%): more signal per sequence
 MASK_AS_MASK = 0.8      # of the masked positions, 80% read [MASK] ...
 MASK_AS_RANDOM = 0.1    # ... 10% a random token, and the other 10% keep their own token
-INIT_STD = 0.02         # normal init of every linear and embedding weight
+INIT_STD = 0.02         # normal init of every linear and embedding weight, as in v2
 LN_EPS = 1e-12          # LayerNorm epsilon of the official model
-PRESETS = {"crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=None,
-                           batch_size=BATCH_SIZE, lr=LR, alibi=0.0),  # the paper's model and batch
-           # the CPU demo (data of --vocab-size 2048): a small model learns from the count of
-           # updates, so a CPU's minutes go to many small, fast steps: 2 x 128, 16 rows, high lr
+PRESETS = {"crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=MICRO_BATCH,
+                           batch_size=BATCH_SIZE, lr=LR, alibi=0.0),  # BERT-base's size
+           # the CPU demo: a small model learns from the count of updates, so a CPU's minutes go
+           # to many small, fast steps (see the README), and ALiBi gives it locality for free
            "tiny": dict(layers=2, width=128, heads=2, ffn=512, micro_batch=16, batch_size=16,
-                        lr=6e-3, alibi=1.0)}  # ALiBi's locality, not left to discover (the README)
-# GB of GPU memory -> micro-batch, the first the GPU reaches: bigger products run faster (README)
+                        lr=6e-3, alibi=1.0)}
+# the paper's preset on a GPU: GB of memory -> micro-batch; bigger products run faster (README)
 GPU_MICRO_BATCH = {40: 512, 20: 256, 0: MICRO_BATCH}
-# MFU's denominator: dense bf16 peaks (datasheets) by GPU name, tried in order: PCIe, NVL first
+# MFU's denominator: dense bf16 peaks (datasheets) by GPU name, whole words, PCIe and NVL first
 GPU_PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12,
                   "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A6000": 155e12,
                   "RTX 4090": 165e12, "RTX 3090": 71e12}
 PEAK_FLOPS = GPU_PEAK_FLOPS["H100"]  # SXM: the peak for a GPU not in the table, and the CPU
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
 SAVE_TIMEOUT = 3600     # seconds DDP ranks wait for rank 0 to save or evaluate (NCCL's: 600)
-RUN_SETTINGS = [*PRESETS["crammed"], "time", "steps", "seed"]  # --resume keeps the run's own
+RUN_SETTINGS = [*PRESETS["crammed"], "time", "steps", "seed"]  # a run's own: --resume keeps them
+RESUME_MAY_CHANGE = ["micro_batch", "lr"]  # after out of memory, or a gradient not finite
+GPU_FAULTS = ["CUDA error", "cuDNN error", "NCCL"]  # a lost GPU or collective: their texts
 
 
 # ----------------------------------------------------------------------------- the model
 @dataclass
 class ModelConfig:
-    vocab_size: int = 32768
-    seq_len: int = 128
-    layers: int = 16
-    width: int = 768
-    heads: int = 12
-    ffn: int = 3072       # split into value and gate halves of ffn/2
+    vocab_size: int = VOCAB_SIZE
+    seq_len: int = SEQ_LEN
+    layers: int = PRESETS["crammed"]["layers"]
+    width: int = PRESETS["crammed"]["width"]
+    heads: int = PRESETS["crammed"]["heads"]
+    ffn: int = PRESETS["crammed"]["ffn"]
     dropout: float = 0.0  # none in pretraining; glue.py fine-tunes with 0.1
     alibi: float = 0.0    # the CPU demo's distance penalty on attention; the paper has none
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with no biases; `visible`: the keys each query may attend to."""
+    """Multi-head self-attention with no biases. `visible`: None, a bool mask (B, 1, 1, T) of the
+    keys that are not padding, or ALiBi's float bias on the scores (heads, T, T)."""
 
     def __init__(self, c):
         super().__init__()
@@ -72,11 +76,11 @@ class Attention(nn.Module):
 
     def forward(self, x, visible=None):
         B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.heads, C // self.heads)  # (B, T, 3, heads, head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, heads, T, head_dim)
+        qkv = self.qkv(x).view(B, T, 3, self.heads, C // self.heads)  # (B, T, 3, nh, hs)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, nh, T, hs)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=p)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, width): heads side by side again
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, width)
         return self.drop(self.proj(y))
 
 
@@ -85,13 +89,13 @@ class GatedMLP(nn.Module):
 
     def __init__(self, c):
         super().__init__()
-        self.fc = nn.Linear(c.width, c.ffn, bias=False)  # rows: the value's, then the gate's
+        self.fc = nn.Linear(c.width, c.ffn, bias=False)
         self.out = nn.Linear(c.ffn // 2, c.width, bias=False)
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x):
-        # two products with the weight's halves, not one split after: the backward never joins the
-        # (B, T, ffn/2) gradients of value and gate, only the weight's two halves (chunk's backward)
+        # two products with the weight's halves, not one product split after: the backward then
+        # never joins the value's and the gate's (B, T, ffn/2) gradients into one tensor
         w_value, w_gate = self.fc.weight.chunk(2)  # each (ffn/2, width)
         value, gate = F.linear(x, w_value), F.linear(x, w_gate)  # each (B, T, ffn/2)
         return self.drop(self.out(value * F.gelu(gate)))
@@ -116,7 +120,7 @@ class Block(nn.Module):
 def sinusoid(seq_len, width):
     """The fixed sinusoidal position table (seq_len, width) of "Attention is all you need"."""
     freq = 10000 ** (-torch.arange(0, width, 2) / width)  # (width/2,)
-    angle = torch.arange(seq_len)[:, None] * freq  # (seq_len, width/2): position x frequency
+    angle = torch.arange(seq_len)[:, None] * freq  # (seq_len, width/2)
     return torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(1)  # columns sin, cos, sin, ...
 
 
@@ -132,9 +136,9 @@ class Crammed(nn.Module):
         self.pos_scale = nn.Parameter(torch.tensor(c.width ** -0.5))
         self.emb_ln = nn.LayerNorm(c.width, eps=LN_EPS)
         self.drop = nn.Dropout(c.dropout)
-        # CPU demo only: ALiBi's penalty slope x |i - j| on the scores gives a small model locality
-        slopes = c.alibi * 0.5 ** torch.arange(c.heads)  # alibi, alibi/2, ... by head
-        slopes[-1] = 0.0  # but the last head stays global, so that the first token can read the row
+        # the CPU demo's ALiBi: a penalty of slope x |i - j| on the scores, alibi/2**h for head h
+        slopes = c.alibi * 0.5 ** torch.arange(c.heads)
+        slopes[-1] = 0.0  # but the last head stays global, so that every token sees the whole row
         self.register_buffer("slopes", slopes, persistent=False)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
         self.ln_f = nn.LayerNorm(c.width, eps=LN_EPS)
@@ -148,8 +152,8 @@ class Crammed(nn.Module):
         T = idx.size(1)
         x = self.emb(idx) + self.pos_scale * self.sinusoid[:T]  # (B, T, width)
         x = self.drop(self.emb_ln(x))
-        visible = None if not_pad is None else not_pad[:, None, None, :]  # (B, 1, 1, T) keys
-        if self.config.alibi:  # a float bias added to the scores instead: -inf hides padding
+        visible = None if not_pad is None else not_pad[:, None, None, :]  # (B, 1, 1, T)
+        if self.config.alibi:  # a float bias instead of the bool mask: -inf hides padding
             t = torch.arange(T, device=idx.device)
             bias = -self.slopes[:, None, None] * (t[:, None] - t).abs()  # (heads, T, T)
             visible = bias if visible is None else bias.masked_fill(~visible, float("-inf"))
@@ -163,7 +167,7 @@ class Crammed(nn.Module):
 
     def decode(self, hidden, positions):
         """Sparse prediction: the tied decoder runs on the masked positions (B, masked) only."""
-        x = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.size(-1)))
+        x = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.size(-1)))  # (B, masked, C)
         return x @ self.emb.weight.T  # (B, masked, vocab)
 
 
@@ -178,22 +182,24 @@ def flops_per_token(c):
 # ----------------------------------------------------------------------------- the objective
 def mask_rows(rows, specials, gen):
     """Masked LM with static shapes: exactly round(0.25 x T) positions a row, never a special token
-    (`specials`: their ids, the last of the vocabulary); 80% become [MASK], 10% a random token, 10%
-    stay. For T=8, [SEP]=9: rows=[[5, 6, 7, 9, 1, 2, 3, 4]] -> positions=[[1, 6]], labels=[[6, 3]],
+    (`specials`: their ids, the last of the vocabulary); of those, 80% read [MASK], 10% a random
+    ordinary token, 10% their own. One possible draw, T=8, [SEP]=9, [MASK]=M:
+    rows=[[5, 6, 7, 9, 1, 2, 3, 4]] -> positions=[[1, 6]], labels=[[6, 3]],
     idx=[[5, M, 7, 9, 1, 2, M, 4]]. A row of prepare.py holds at least T/2 ordinary tokens (each
     [SEP] follows a document), so there are always enough. No row holds [CLS] (v2 neither): every
     slot holds text, and fine-tuning teaches the first position what GLUE's head reads there."""
     B, T = rows.shape
     special_ids = torch.tensor(sorted(specials.values()))
     n_ordinary = min(specials.values())  # ordinary tokens are the ids below the specials
-    # the masked positions: the smallest of uniform noise, in which the specials' 2.0 sorts last
+    # the positions: the smallest of uniform noise, in which the specials' 2.0 sorts last
     noise = torch.rand(B, T, generator=gen).masked_fill(torch.isin(rows, special_ids), 2.0)
     positions = noise.topk(round(MASK_RATE * T), dim=1, largest=False).indices  # (B, masked)
     labels = rows.gather(1, positions)  # (B, masked)
-    roll = torch.rand(positions.shape, generator=gen)  # decides the fate of each masked position
+    roll = torch.rand(positions.shape, generator=gen)
     random_ids = torch.randint(0, n_ordinary, positions.shape, generator=gen)
-    shown = torch.where(roll < MASK_AS_MASK + MASK_AS_RANDOM, random_ids, labels)  # 10%: itself
-    shown[roll < MASK_AS_MASK] = specials["[MASK]"]  # 80%: [MASK]; the 10% between: random
+    as_mask = roll < MASK_AS_MASK
+    as_random = ~as_mask & (roll < MASK_AS_MASK + MASK_AS_RANDOM)
+    shown = torch.where(as_mask, specials["[MASK]"], torch.where(as_random, random_ids, labels))
     return rows.scatter(1, positions, shown), positions, labels
 
 
@@ -219,23 +225,23 @@ def schedule(used, peak):
 def ramp(used, batch_size, micro):
     """Micro-batches per step: the first step is one micro-batch, and the batch grows linearly to
     batch_size at 60% of the budget. batch_size=8192, micro=128: 0 -> 1, 0.3 -> 32, 0.6 and after
-    -> 64; micro=512 (a GPU of 40 GB or more): 0 -> 1 (512 sequences), 0.3 -> 8, 0.6 -> 16."""
+    -> 64; micro=512: 0 -> 1 (512 sequences), 0.3 -> 8, 0.6 -> 16."""
     return max(1, round(batch_size / micro * min(1.0, used / RAMP_END)))
 
 
 class Batches:
     """Rows in a seeded uniform order, a new permutation every epoch (v2: a sentence-length
-    curriculum); (epoch, pos) is all the state, so a resume reads the same rows; ranks: a slice."""
+    curriculum); (epoch, pos) is all the state. Rank r reads micro-batch r of every `world`."""
 
     def __init__(self, rows, micro, seed, rank=0, world=1):
         self.rows, self.micro, self.seed = rows, micro, seed
-        self.rank, self.world = rank, world  # DDP: rank r reads the r-th micro-batch of each world
-        self.epoch, self.pos, self.order = 0, 0, None  # next row: pos in the epoch's order
+        self.rank, self.world = rank, world
+        self.epoch, self.pos, self.order = 0, 0, None
 
     def __next__(self):
         if self.pos + self.micro * self.world > len(self.rows):
             self.epoch, self.pos = self.epoch + 1, 0
-        if self.pos == 0 or self.order is None:  # the epoch's order: numpy's, 4 bytes a row, not 8
+        if self.pos == 0 or self.order is None:  # numpy's permutation, 4 bytes a row, not 8
             self.order = np.arange(len(self.rows), dtype=np.uint32)
             np.random.default_rng((self.seed, self.epoch)).shuffle(self.order)
         start = self.pos + self.rank * self.micro
@@ -248,9 +254,9 @@ def evaluate(model, rows, specials, micro, device):
     """Masked-LM loss and top-1 accuracy on the masked tokens of `rows`. Row i is masked with the
     seed EVAL_SEED + i alone, so its mask does not depend on the batching: evaluations compare."""
     model.eval()
-    cpu = torch.device("cpu")  # each row masked alone here, then all moved to the device at once
-    per_row = [masked(row[None], specials, EVAL_SEED + i, cpu) for i, row in enumerate(rows)]
-    inputs = {k: torch.cat([r[k] for r in per_row]).to(device) for k in per_row[0]}  # (rows, ...)
+    per_row = [masked(r[None], specials, EVAL_SEED + i, torch.device("cpu"))
+               for i, r in enumerate(rows)]
+    inputs = {k: torch.cat([r[k] for r in per_row]).to(device) for k in per_row[0]}
     loss_sum, right, count = 0.0, 0, 0
     progress = Progress("evaluate", len(rows), "rows")
     for i in range(0, len(rows), micro):
@@ -277,51 +283,35 @@ def build(c, args, device, world=1):
     torch.manual_seed(args.seed)
     raw = Crammed(c).to(device)
     norms = {p for m in raw.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
-    decay = [p for p in raw.parameters() if p not in norms]  # v2: all but biases and norms
-    rest = [p for p in raw.parameters() if p in norms]  # in a fixed order, for --resume
+    decay = [p for p in raw.parameters() if p not in norms]
+    rest = [p for p in raw.parameters() if p in norms]
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0}]
     # fused on a GPU: a few kernels for all the weights; the CPU keeps torch's loop over them
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
     model = raw
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 products (outside autocast) on
-        torch.backends.cudnn.allow_tf32 = True  # tensor cores too
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
         if not args.no_compile:
-            model = torch.compile(model)  # one graph, static shapes: the masks make them so
-    if world > 1:  # DDP starts by copying rank 0's weights to every rank
+            model = torch.compile(model)  # one graph: the fixed count of masks keeps shapes static
+    if world > 1:
         ids = [device.index] if device.type == "cuda" else None
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     return model, raw, opt
 
 
-def run_settings(args, device, ckpt=None):
-    """The run's settings, all decided here, in this order: the flags; the preset's where no flag
-    gave one; on --resume the run's own RUN_SETTINGS; the GPU's micro-batch if none. -> (it, why)"""
-    flags = {k: v for k, v in vars(args).items() if v is not None}
-    settings = argparse.Namespace(**{**vars(args), **PRESETS[args.preset], **flags})
-    why = "the preset's or --micro-batch"
-    if ckpt:
-        vars(settings).update({k: ckpt["args"][k] for k in RUN_SETTINGS})
-        why = "the run's own"
-    if settings.micro_batch is None:
-        settings.micro_batch, why = pick_micro_batch(device, settings.batch_size)
-    return settings, why
-
-
 class Trainer:
     """One run: the model, AdamW, the rows and `state`; a checkpoint holds them all."""
 
-    def __init__(self, args, rank, world, device):
-        self.rank, self.world, self.device = rank, world, device
+    def __init__(self, args, changes, rank, world, device):
+        self.args, self.rank, self.world, self.device = args, rank, world, device
         meta, self.tok, rows = read_prepared(args.data)
         self.path = os.path.join(args.out, "ckpt.pt")
-        ckpt = None  # a new run
+        ckpt = None
         if args.resume:
             ckpt = load_checkpoint(self.path, meta, self.tok, "; start without --resume")
-        elif os.path.exists(self.path):  # a folder holds a run once it holds a checkpoint
+        elif os.path.exists(self.path):
             die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
-        self.args, why = run_settings(args, device, ckpt)  # the settings from here on
-        args = self.args
         os.makedirs(args.out, exist_ok=True)
         if rank == 0:  # a new run replaces the log of one that died before its first checkpoint
             self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
@@ -332,35 +322,47 @@ class Trainer:
         n = sum(p.numel() for p in self.raw.parameters())
         budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
         last_batch = ramp(1.0, args.batch_size, args.micro_batch * world) * args.micro_batch * world
-        self.log(f"crammed BERT {args.layers} x {args.width}: {n / 1e6:.1f} M parameters, "
+        first = (f"crammed BERT {args.layers} x {args.width}: {n / 1e6:.1f} M parameters, "
                  f"{flops_per_token(self.c) / 1e9:.3f} GFLOP/token | budget {budget} | peak lr "
-                 f"{args.lr} | batch ramps to {last_batch} on {device}\nmicro-batches of "
-                 f"{args.micro_batch} x {world} ({why})\n{mfu_line}")
-        if device.type == "cpu" and self.c == ModelConfig(self.c.vocab_size):  # a laptop, say
+                 f"{args.lr} | micro-batches of {args.micro_batch} x {world}, the batch ramps "
+                 f"from {args.micro_batch * world} to {last_batch} on {device}")
+        self.log("\n".join([first, *changes, mfu_line]))
+        if device.type == "cpu" and self.c == ModelConfig(self.c.vocab_size):
             self.log("a CPU trains the paper's model thousands of times slower than a GPU (the "
                      "README's Measurements); its CPU demo learns in minutes: --preset tiny")
-        if not args.eval_rows:
-            self.log("--eval-rows 0: no validation")
-        self.state = dict(step=0, seqs=0, elapsed=0.0)  # steps, sequences and seconds so far
+        self.state = dict(step=0, seqs=0, elapsed=0.0)
+        self.saved = None  # the step of the checkpoint on the disk, for the faults' lines
         self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world)
         self.val = rows["val"][:args.eval_rows]
         self.specials = self.tok["special_tokens"]
         self.signals = []  # Ctrl-C and SIGTERM received: the run saves and stops after the step
-        if ckpt:  # the run goes on where its checkpoint left it
-            self.state.update({k: ckpt[k] for k in self.state})
-            self.data.epoch, self.data.pos = ckpt["data"]
-            self.raw.load_state_dict(ckpt["model"])
-            self.opt.load_state_dict(ckpt["optimizer"])
-            run = {k: vars(args)[k] for k in RUN_SETTINGS}
-            self.log(f"resumed at step {self.state['step']} with the run's own settings {run}")
-            self.save()  # now: a folder that takes no file, or a full disk, is found before a step
+        if ckpt:
+            self.resume(ckpt)
+
+    def resume(self, ckpt):
+        """The run goes on where its checkpoint left it, saved again at once: a full disk is found
+        before the first step."""
+        self.state.update({k: ckpt[k] for k in self.state})
+        self.data.epoch, self.data.pos = ckpt["data"]
+        self.raw.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["optimizer"])
+        self.log(f"resumed at step {self.state['step']} with the run's own settings")
+        if self.used(self.state["elapsed"]) >= 1:
+            self.log("the run is finished: its budget is spent; a longer one is a new run")
+        self.save()
 
     def train(self):
-        """The loop, the checkpoint, then with the caller's Ctrl-C back, the final validation."""
+        """The loop and the checkpoint, or a fault's line; then, Ctrl-C the caller's, validation."""
         caller = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.loop()
             self.save()
+        except torch.cuda.OutOfMemoryError:
+            self.fault("out of memory", f"--micro-batch {max(1, self.args.micro_batch // 2)}")
+        except RuntimeError as e:
+            if not any(text in str(e) for text in GPU_FAULTS):
+                raise
+            self.fault(f"the GPU failed ({str(e).splitlines()[0][:80]})", "on a healthy GPU")
         finally:
             for s, handler in caller.items():
                 signal.signal(s, handler)
@@ -377,51 +379,57 @@ class Trainer:
         return self.raw
 
     def loop(self):
-        """The training loop. Each step reads the shared clock once, and that reading decides: the
-        budget used (so lr and batch), and whether a log line, validation or checkpoint is due."""
+        """The training loop, in nanoGPT's order: read the clock, stop if the budget is spent,
+        validate and save when due, set lr and batch, run the step, log it."""
         args, state = self.args, self.state
-        start = time.time() - state["elapsed"]  # the run's clock: a resume goes on from its time
-        next_log = state["elapsed"]  # the first step is logged at once
-        next_eval = state["elapsed"] + args.eval_every
-        next_save = state["elapsed"] + args.save_every
+        start = time.monotonic() - state["elapsed"]  # a resumed run goes on from its own time
+        due = dict(log=state["elapsed"], eval=state["elapsed"] + args.eval_every,
+                   save=state["elapsed"] + args.save_every)
         window = dict(seconds=0.0, seqs=0, losses=[])  # the steps since the last log line
-        compiling = self.device.type == "cuda" and not args.no_compile  # the first step compiles
-        lr = batch = None  # the last step's, for its log line
+        compiling = self.device.type == "cuda" and not args.no_compile
         while True:
-            now, signals = self.shared_clock(start)  # this step's one reading of the clock
+            now, signals = self.shared_clock(start)
             state["elapsed"] = now
-            used = state["step"] / args.steps if args.steps else now / args.time
-            if window["losses"] and now >= next_log:  # the steps since the last line
-                self.log_steps(lr, batch, window, compiling)
-                window = dict(seconds=0.0, seqs=0, losses=[])
-                compiling = False
-                next_log = now + args.log_every
+            used = self.used(now)
             if signals or used >= 1:
                 return
-            if args.eval_every and now >= next_eval and state["step"]:
+            if args.eval_every and state["step"] and self.is_due(due, "eval", now):
                 self.validate()
-                next_eval = now + args.eval_every
-            if now >= next_save and state["step"]:
+            if state["step"] and self.is_due(due, "save", now):
                 self.save()
-                next_save = now + args.save_every
             lr = schedule(used, args.lr)
             accum = ramp(used, args.batch_size, args.micro_batch * self.world)
             batch = accum * args.micro_batch * self.world
-            t = time.time()
+            t = time.monotonic()
             window["losses"].append(self.train_step(lr, accum))
-            window["seconds"] += time.time() - t  # the rate's own timer: training only, no saves
+            window["seconds"] += time.monotonic() - t  # the rate's own timer: no saves in it
             window["seqs"] += batch
             state["step"] += 1
             state["seqs"] += batch
+            if self.is_due(due, "log", now):
+                self.log_steps(lr, batch, window, compiling, time.monotonic() - start)
+                window = dict(seconds=0.0, seqs=0, losses=[])
+                compiling = False
+
+    def used(self, now):
+        """The fraction of the budget used: of --steps, or of --time's seconds."""
+        return self.state["step"] / self.args.steps if self.args.steps else now / self.args.time
+
+    def is_due(self, due, what, now):
+        """Whether `what` (log, eval, save) is due at `now`; if so, next --{what}-every later."""
+        if now < due[what]:
+            return False
+        due[what] = now + vars(self.args)[f"{what}_every"]
+        return True
 
     def shared_clock(self, start):
-        """(seconds since the run's start, signals received): each the largest of the ranks'. Ranks
+        """(seconds since the run's start, signals received), each the largest of the ranks'. Ranks
         that disagreed on the budget used would pick different accumulation counts and hang DDP."""
-        clock = torch.tensor([time.time() - start, len(self.signals)], dtype=torch.float64)
+        clock = torch.tensor([time.monotonic() - start, len(self.signals)], dtype=torch.float64)
         if self.world > 1:
             clock = clock.to(self.device)
             dist.all_reduce(clock, dist.ReduceOp.MAX)
-        return clock.tolist()  # [seconds, signals]
+        return clock.tolist()
 
     def train_step(self, lr, accum):
         """One optimizer step of `accum` micro-batches: their mean gradient, clipped -> the loss."""
@@ -438,16 +446,17 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach()
         norm = nn.utils.clip_grad_norm_(self.raw.parameters(), CLIP)
-        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one wait for the GPU
-        if not math.isfinite(norm):  # before the update: the weights never see it, nor a save
-            die(f"gradient not finite at step {self.state['step'] + 1}: rerun with a lower --lr in "
-                f"a new --out")
+        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step waits for the GPU here
+        if not math.isfinite(norm):  # the weights have not seen it: save them, skip these rows
+            self.opt.zero_grad(set_to_none=True)
+            self.save()
+            self.fault("gradient not finite", f"--lr {self.args.lr / 2:g}")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss
 
-    def log_steps(self, lr, batch, window, compiling):
-        """The log line of the steps since the last one, its record built field by field."""
+    def log_steps(self, lr, batch, window, compiling, elapsed):
+        """The log line of the steps since the last one (the last step's lr and batch)."""
         args, state, T = self.args, self.state, self.c.seq_len
         record = dict(step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * T,
                       loss=sum(window["losses"]) / len(window["losses"]), lr=lr, batch=batch)
@@ -457,9 +466,9 @@ class Trainer:
             tok_s = window["seqs"] * T / window["seconds"]
             record["tok_s"] = round(tok_s)
             record["mfu"] = flops_per_token(self.c) * tok_s / self.world / self.peak  # per GPU
-        record["elapsed"] = round(state["elapsed"], 1)
-        pace = state["elapsed"] / state["step"]  # seconds a step so far
-        left = (args.steps - state["step"]) * pace if args.steps else args.time - state["elapsed"]
+        record["elapsed"] = round(elapsed, 1)
+        pace = elapsed / state["step"]
+        left = (args.steps - state["step"]) * pace if args.steps else args.time - elapsed
         record["left"] = max(0.0, left)
         self.log(**record)
 
@@ -473,7 +482,8 @@ class Trainer:
                  elapsed=round(state["elapsed"], 1), val_loss=loss, val_acc=acc)
 
     def log(self, line="", **record):
-        """A line, or a record: printed as one ('step 3 | loss 4.5000 | ...'), kept in log.jsonl."""
+        """Rank 0 prints a line, or a record as one ('step 3 | 6,144 tok | loss 4.5000 | ...')
+        that log.jsonl keeps."""
         if self.rank == 0:
             fields = (LOG_FORMAT[k].format(v) for k, v in record.items() if k in LOG_FORMAT)
             print(line or " | ".join(fields), flush=True)
@@ -484,18 +494,26 @@ class Trainer:
         print(f"signal {signum}: the run stops after this step and saves", flush=True)
         self.signals.append(signum)
 
+    def fault(self, what, change):
+        """A fault ends the run in one line: what, at which step, what was kept, how to go on."""
+        go_on = f"{self.path} holds step {self.saved}: continue: the same command --resume"
+        if self.saved is None:
+            go_on = "nothing was saved yet: start again: the same command"
+        die(f"{what} at step {self.state['step'] + 1}; {go_on} {change}")
+
     def save(self):
         """Rank 0 writes the checkpoint atomically: a crash or a full disk leaves the last one."""
-        if self.rank != 0:
-            return
-        ckpt = {"format": "cram-ckpt-1", "model_config": asdict(self.c), "tokenizer": self.tok,
-                "model": self.raw.state_dict(), "optimizer": self.opt.state_dict(),
-                "args": vars(self.args), **self.state, "data": [self.data.epoch, self.data.pos]}
-        try:
-            with atomic(self.path) as f:
-                torch.save(ckpt, f)
-        except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
-            die(f"{self.path}: cannot save the checkpoint ({str(e)[:70]}); the last one is intact")
+        if self.rank == 0:
+            ckpt = {"format": "cram-ckpt-1", "model_config": asdict(self.c), "tokenizer": self.tok,
+                    "model": self.raw.state_dict(), "optimizer": self.opt.state_dict(),
+                    "args": vars(self.args), **self.state, "data": [self.data.epoch, self.data.pos]}
+            try:
+                with atomic(self.path) as f:
+                    torch.save(ckpt, f)
+            except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
+                die(f"{self.path}: cannot save the checkpoint ({str(e)[:70]}); the last one is "
+                    f"intact")
+        self.saved = self.state["step"]
 
 
 # ----------------------------------------------------------------------------- asking the model
@@ -528,20 +546,23 @@ def fill(args, device):
 
 
 # ----------------------------------------------------------------------------- plumbing
-def pick_micro_batch(device, batch_size):
-    """The micro-batch when no --micro-batch is given, by the GPU's memory -> (size, why)."""
-    if device.type != "cuda":
-        return min(MICRO_BATCH, batch_size), "v2's"
-    gb = torch.cuda.get_device_properties(device).total_memory / 1e9
-    size = next(size for least_gb, size in GPU_MICRO_BATCH.items() if gb >= least_gb)
-    return min(size, batch_size), f"the GPU has {gb:.0f} GB: 512 from 40 GB, 256 from 20, else 128"
+def paper_micro_batch(first):
+    """The paper's preset's micro-batch: the most the GPU's memory holds (bigger products run
+    faster), but at most RAMP_FIRST of the batch over all GPUs, the ramp's first step."""
+    size = MICRO_BATCH
+    device = pick_device(first.device)
+    if device.type == "cuda":
+        gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+        size = next(size for least_gb, size in GPU_MICRO_BATCH.items() if gb >= least_gb)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return min(size, max(1, int(first.batch_size * RAMP_FIRST) // world))
 
 
 def peak_flops(device):
     """MFU's denominator, the GPU's dense bf16 peak -> (FLOP/s, the log line that says so)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
-    for key, peak in GPU_PEAK_FLOPS.items():  # in the table's order
-        if key in name:
+    for key, peak in GPU_PEAK_FLOPS.items():  # in the table's order; "A100" is not "A1000"
+        if re.search(rf"\b{key}\b", name):
             return peak, f"MFU against the {name}'s dense bf16 peak, {peak / 1e12:.0f} TFLOP/s"
     return PEAK_FLOPS, (f"MFU against the H100's dense bf16 peak, {PEAK_FLOPS / 1e12:.0f} "
                         f"TFLOP/s ({name} is not in GPU_PEAK_FLOPS)")
@@ -550,13 +571,13 @@ def peak_flops(device):
 LOG_FORMAT = {"step": "step {}", "tokens": "{:,} tok", "loss": "loss {:.4f}", "lr": "lr {:.2e}",
               "batch": "batch {}", "compiled": "compiled in {:.0f}s", "tok_s": "{:,} tok/s",
               "mfu": "mfu {:.1%}", "elapsed": "{:,.0f}s elapsed", "left": "{:,.0f}s left",
-              "val_loss": "val loss {:.4f}", "val_acc": "accuracy {:.1%}"}  # how a record prints
+              "val_loss": "val loss {:.4f}", "val_acc": "accuracy {:.1%}"}
 
 
 def load_checkpoint(path, meta=None, tok=None, hint=""):
-    """A cram checkpoint; given prepared data, it must share the data's tokenizer and rows."""
+    """A cram checkpoint (mapped, not read); given prepared data, it must share its tokenizer."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         die(f"{path}: no checkpoint here{hint}")
     except PermissionError:
@@ -579,38 +600,64 @@ def load_model(ckpt, **overrides):
     return model
 
 
-def get_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
+def parser():
+    """cram.py's flags; get_args sets the defaults of the model and the batch."""
+    ap = argparse.ArgumentParser(description=__doc__, add_help=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
-    arg("--data", default="data", help="folder written by prepare.py")
-    arg("--out", default="out", help="folder for ckpt.pt and log.jsonl")
-    arg("--time", type=above_zero(float), default=BUDGET, help="budget in seconds, compiling too")
+    arg("--data", default="data", help="folder written by prepare.py (%(default)s)")
+    arg("--out", default="out", help="folder for ckpt.pt and log.jsonl (%(default)s)")
+    arg("--time", type=above_zero(float), default=BUDGET, help="budget in s, compiling too")
     arg("--steps", type=above_zero(int), help="budget in optimizer steps instead (reproducible)")
     arg("--preset", choices=PRESETS, default="crammed", help="the paper's, or tiny: the CPU demo")
     for k in ("layers", "width", "heads", "ffn"):
-        arg(f"--{k}", type=int, help=f"model {k} (overrides the preset)")
-    arg("--micro-batch", type=int, help="sequences per forward pass (default: by the GPU's memory)")
-    arg("--batch-size", type=int, help="sequences per step at the end of the ramp (the preset's)")
-    arg("--lr", type=above_zero(float), help="peak learning rate (the preset's)")
+        arg(f"--{k}", type=above_zero(int), help=f"model {k} (%(default)s)")
+    arg("--micro-batch", type=above_zero(int), help="sequences per forward pass (%(default)s)")
+    arg("--batch-size", type=above_zero(int), help="sequences a step after the ramp (%(default)s)")
+    arg("--lr", type=above_zero(float), help="peak learning rate (%(default)s)")
     arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
     arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
-    arg("--log-every", type=float, default=10, help="seconds between log lines")
-    arg("--eval-every", type=float, default=0, help="seconds between held-out evaluations")
-    arg("--eval-rows", type=int, default=2048, help="held-out rows for the loss and accuracy")
-    arg("--save-every", type=float, default=1800, help="seconds between checkpoints")
-    arg("--resume", action="store_true", help="continue OUT/ckpt.pt with the run's own settings")
+    seconds = above_zero(float, or_zero=True)
+    rows = above_zero(int, or_zero=True)
+    arg("--log-every", type=seconds, default=10, help="seconds between log lines")
+    arg("--eval-every", type=seconds, default=0, help="seconds between validations (0: at the end)")
+    arg("--eval-rows", type=rows, default=2048, help="held-out rows to validate on (0: none)")
+    arg("--save-every", type=above_zero(float), default=1800, help="seconds between checkpoints")
+    arg("--resume", action="store_true", help="go on with OUT/ckpt.pt (see RESUME_MAY_CHANGE)")
     arg("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK], no training")
     arg("--ckpt", help="checkpoint for --fill (default: OUT/ckpt.pt)")
-    args = ap.parse_args(argv)  # the flags as given: run_settings adds the preset's
-    model = {**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if v is not None}}
-    if model["width"] % model["heads"] or model["ffn"] % 2:
+    ap.set_defaults(**PRESETS["crammed"])
+    return ap
+
+
+def get_args(argv=None):
+    """The run's settings, all in argparse: the flags given, over defaults that are the preset's
+    (--preset is read first), or on --resume the run's own. -> (args, a resume's changes)"""
+    ap = parser()
+    first = ap.parse_known_args(argv)[0]  # the flags that choose the defaults
+    run = {}
+    if first.resume:
+        run = load_checkpoint(os.path.join(first.out, "ckpt.pt"), hint="; start without --resume")
+        ap.set_defaults(**{k: run["args"][k] for k in RUN_SETTINGS})
+    else:
+        ap.set_defaults(**PRESETS[first.preset])
+    if first.preset == "crammed" and not first.resume:
+        ap.set_defaults(micro_batch=paper_micro_batch(first))
+    ap.add_argument("-h", "--help", action="help", help="show this, with the run's defaults, exit")
+    args = ap.parse_args(argv)
+    if args.width % args.heads or args.ffn % 2:
         ap.error("--width must divide by --heads, and --ffn be even")
-    if model["micro_batch"] and model["batch_size"] < model["micro_batch"]:
+    if args.batch_size < args.micro_batch:
         ap.error("--batch-size must be at least --micro-batch")
+    changes = [k for k in RUN_SETTINGS if run and vars(args)[k] != run["args"][k]]
+    for k in changes:
+        if k not in RESUME_MAY_CHANGE:
+            ap.error(f"--{k.replace('_', '-')} {vars(args)[k]}: --resume keeps the run's own "
+                     f"{run['args'][k]}; a new budget, model or seed is a new run: another --out")
     args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
-    return args
+    return args, [f"--{k.replace('_', '-')} {vars(args)[k]} replaces the run's own "
+                  f"{run['args'][k]}" for k in changes]
 
 
 def pick_device(name):
@@ -639,11 +686,11 @@ def setup(args):
 
 @entry
 def main(argv=None):
-    args = get_args(argv)
+    args, changes = get_args(argv)
     rank, world, device = setup(args)
     if args.fill:
         return fill(args, device)
-    return Trainer(args, rank, world, device).train()
+    return Trainer(args, changes, rank, world, device).train()
 
 
 if __name__ == "__main__":

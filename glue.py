@@ -23,7 +23,7 @@ TRIALS = 1           # fine-tuning runs per task; the paper reports the median o
 BUCKET = 32          # compiled, each batch is cut to a multiple of this: few shapes to compile
 SETTING = ["epochs", "lr", "batch_size", "max_train_samples", "trials", "pool"]  # comparable
 
-Task = collections.namedtuple("Task", "zip a b label labels")  # columns of the texts and the label
+Task = collections.namedtuple("Task", "zip a b label labels")
 TASKS = {"CoLA": Task("CoLA", "sentence", None, "label", ["0", "1"]),  # b None: one sentence
          "SST-2": Task("SST-2", "sentence", None, "label", ["0", "1"]),
          "MRPC": Task(None, "#1 String", "#2 String", "Quality", ["0", "1"]),  # built, not a zip
@@ -37,7 +37,7 @@ TASKS = {"CoLA": Task("CoLA", "sentence", None, "label", ["0", "1"]),  # b None:
 COLA_HEADER = ["source", "label", "original_label", "sentence"]  # CoLA's files have no header
 DEV = {"MNLI": {"MNLI-m": "dev_matched.tsv", "MNLI-mm": "dev_mismatched.tsv"}}  # others: dev.tsv
 METRICS = {"CoLA": ["mcc"], "STS-B": ["pearson"], "MRPC": ["f1", "accuracy"],
-           "QQP": ["f1", "accuracy"]}  # the paper's first; the other tasks: accuracy
+           "QQP": ["f1", "accuracy"]}
 COLUMNS = ["MNLI-m", "MNLI-mm", "SST-2", "STS-B", "RTE", "QNLI", "QQP", "MRPC", "CoLA"]
 REFERENCE = {  # the paper's rows, each with its GLUE score last
     "BERT-base, fully trained": [83.2, 83.4, 91.9, 86.7, 59.2, 90.6, 87.7, 89.3, 56.5, 80.9],
@@ -52,7 +52,7 @@ def read_tsv(path, task):
     t, rows = TASKS[task], []
     try:
         lines = pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
-    except UnicodeDecodeError as e:  # the line of the first bad byte
+    except UnicodeDecodeError as e:
         n = e.object.count(b"\n", 0, e.start) + 1
         die(f"{path}:{n}: not UTF-8 text (byte 0x{e.object[e.start]:02x})")
     header = COLA_HEADER if task == "CoLA" else lines[0].rstrip("\r").split("\t")
@@ -108,7 +108,7 @@ class Classifier(nn.Module):
         self.encoder, self.pad, self.pool = encoder, pad, pool
         self.head = nn.Sequential(nn.Linear(encoder.config.width, HEAD_DIM), nn.Tanh(),
                                   nn.Dropout(DROPOUT), nn.Linear(HEAD_DIM, n_out))
-        for m in self.head[0], self.head[3]:  # the encoder's init
+        for m in self.head[0], self.head[3]:
             nn.init.normal_(m.weight, std=INIT_STD)
             nn.init.zeros_(m.bias)
 
@@ -140,18 +140,18 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     labels = TASKS[task].labels
     pad = ckpt["tokenizer"]["special_tokens"]["[PAD]"]
     encoder = load_model(ckpt, dropout=DROPOUT)
-    if args.random_init:  # the same model from random weights: the "no pretraining" row
+    if args.random_init:
         encoder = Crammed(encoder.config)
     model = Classifier(encoder, 1 if labels is None else len(labels), pad, args.pool).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, fused=True,
-                            weight_decay=WEIGHT_DECAY)  # fused kernels: torch has them on CPUs too
+                            weight_decay=WEIGHT_DECAY)  # fused: torch has it on CPUs too
     step_model, multiple = model, 1  # eager: cut to the longest row; padding only costs time
-    if device.type == "cuda" and not args.no_compile:  # compiled: a graph per bucket length
+    if device.type == "cuda" and not args.no_compile:
         torch._dynamo.reset()  # dynamo compiles 8 graphs at most: a run's 4 lengths and last fit
         step_model = torch.compile(model, dynamic=False, fullgraph=True)
         multiple = BUCKET
     ids, ys = train
-    order = torch.cat([torch.randperm(len(ids)) for _ in range(args.epochs)])  # epoch by epoch
+    order = torch.cat([torch.randperm(len(ids)) for _ in range(args.epochs)])
     steps = math.ceil(len(order) / args.batch_size)
     progress = Progress(f"{task} trial {trial + 1}/{args.trials}", len(order), "ex")
     for step, picked in enumerate(order.split(args.batch_size)):
@@ -165,7 +165,7 @@ def finetune(ckpt, task, train, devs, args, trial, device):
         opt.step()
         done = min((step + 1) * args.batch_size, len(order))  # .item() waits: only when printed
         progress(done, lambda: f" | loss {loss.item():.4f}", force=step + 1 == steps)
-    model.eval()  # the eager model: no more shapes to compile
+    model.eval()
     scores = {}
     with torch.no_grad(), autocast(device):
         for split, (dev_ids, dev_ys) in devs.items():  # v2's micro-batch of rows at a time
@@ -187,7 +187,7 @@ def f1(p, y):
 
 
 def pearson(p, y):
-    p, y = [np.asarray(v, np.float64) - np.mean(v) for v in (p, y)]  # centred
+    p, y = [np.asarray(v, np.float64) - np.mean(v) for v in (p, y)]
     d = math.sqrt(np.sum(p * p) * np.sum(y * y))
     return float(np.sum(p * y) / d) if d else 0.0  # a constant: no correlation, not nan
 
@@ -219,7 +219,7 @@ def build_mrpc(folder):
     """GLUE builds MRPC itself: SentEval's train file split by the dev id pairs, in bytes."""
     with open(download(MRPC_URL, os.path.join(folder, "msr_paraphrase_train.txt")), "rb") as f:
         header = f.readline().rstrip(b"\r\n")  # it keeps its BOM, as in GLUE's files
-        rows = [line.strip().split(b"\t") for line in f]  # quality, #1 id, #2 id, #1 and #2 string
+        rows = [line.strip().split(b"\t") for line in f]
     with open(download(MRPC_DEV_IDS_URL, os.path.join(folder, "mrpc_dev_ids.tsv")), "rb") as f:
         dev_ids = {tuple(line.split()) for line in f}
     for name, in_dev in [("train.tsv", False), ("dev.tsv", True)]:
@@ -275,18 +275,18 @@ def get_args(argv):
     arg("--ckpt", required=True, help="cram checkpoint to fine-tune")
     arg("--glue-dir", default="data/glue", help="GLUE task folders (default: %(default)s)")
     arg("--tasks", default="CoLA,SST-2,MRPC,STS-B,QQP,MNLI,QNLI,RTE", help="default: all but WNLI")
-    arg("--epochs", type=int, default=EPOCHS, help="per task (default: %(default)s)")
+    arg("--epochs", type=above_zero(int), default=EPOCHS, help="per task (default: %(default)s)")
     arg("--lr", type=above_zero(float), default=LR, help="peak AdamW lr (default: %(default)s)")
-    arg("--batch-size", type=int, default=BATCH_SIZE, help="(default: %(default)s)")
+    arg("--batch-size", type=above_zero(int), default=BATCH_SIZE, help="(default: %(default)s)")
     arg("--seed", type=int, default=0, help="trial k uses seed + k - 1 (default: %(default)s)")
-    arg("--trials", type=int, default=TRIALS, help="runs; median reported (default: %(default)s)")
-    arg("--max-train-samples", type=int, help="fine-tune on the first N training examples only")
+    arg("--trials", type=above_zero(int), default=TRIALS, help="runs; their median (%(default)s)")
+    arg("--max-train-samples", type=above_zero(int), help="fine-tune on the first N examples only")
     arg("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
     arg("--random-init", action="store_true", help="no pretraining; into glue-random-init.json")
     arg("--pool", choices=["first", "mean"], default="first", help="the head's input: v2's or mean")
     args = ap.parse_args(argv)
-    known = {t.lower(): t for t in TASKS}  # any case: sst-2, SST-2 and Sst-2 are SST-2
+    known = {t.lower(): t for t in TASKS}
     if not set(args.tasks.lower().split(",")) <= set(known):
         die(f"--tasks {args.tasks}: name one or more of {','.join(TASKS)}")
     args.tasks = [known[t] for t in args.tasks.lower().split(",")]
@@ -302,27 +302,28 @@ def main(argv=None):
                        "glue-random-init.json" if args.random_init else "glue.json")
     run_id = {"checkpoint": {"step": ckpt.get("step"), "elapsed": ckpt.get("elapsed")},
               "setting": {k: vars(args)[k] for k in SETTING}}  # what averages may mix
-    data = {t: read_task(t, args.glue_dir) for t in args.tasks}  # all files read, then training
+    data = {t: read_task(t, args.glue_dir) for t in args.tasks}
     save_results(out, {}, run_id)  # a damaged glue.json or a folder that takes no file: said now
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
     seq_len = ckpt["model_config"]["seq_len"]
     results = {}
-    for task, rows in data.items():  # --max-train-samples None: all the training examples
+    for task, rows in data.items():
         train = encode(enc, specials, rows.pop("train")[:args.max_train_samples], seq_len)
         devs = {s: encode(enc, specials, r, seq_len) for s, r in rows.items()}
         runs = [finetune(ckpt, task, train, devs, args, k, device) for k in range(args.trials)]
-        for split in devs:  # the median of each metric, then the trials and the settings
+        for split in devs:
             trials = [r[split] for r in runs]
             results[split] = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}
             results[split].update(trials=trials, settings=vars(args), run=run_id)
         saved, comparable = save_results(out, results, run_id)  # after every task: none lost
-    avg, numbers = glue_score(comparable)  # our row, then the paper's; -: not run
+    avg, numbers = glue_score(comparable)
     others = sorted(set(saved["results"]) - set(comparable))
     if others:
         print(f"{out}: left out {', '.join(others)}: another checkpoint or setting than this run's")
     ours = "random init" if args.random_init else os.path.basename(args.ckpt)
     table = {ours: [numbers.get(s) for s in COLUMNS] + [avg], **REFERENCE}
-    print(f"\nours: the median of {args.trials} trial(s) per task; the paper's: of 5 (--trials 5)")
+    print(f"\nours: the median of {args.trials} trial(s) per task; the paper's rows: medians of 5 "
+          f"(--trials 5), v2's: the best of 5")
     print(f"{'model':29s}" + "".join(f"{s:>8s}" for s in [*COLUMNS, "GLUE"]))
     for label, values in table.items():
         print(f"{label:29s}" + "".join("       -" if v is None else f"{v:8.1f}" for v in values))

@@ -9,7 +9,7 @@ and, written last, meta.json: a folder without meta.json is not data."""
 import argparse, base64, contextlib, functools, gzip, hashlib, heapq, itertools, json
 import mmap, multiprocessing, os, pathlib, re, signal, sys, threading, time, unicodedata, zlib
 from collections import Counter, defaultdict, deque, namedtuple
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np, requests, tiktoken
 
@@ -46,6 +46,8 @@ def read_records(f, is_json):
 def jobs(files):
     """Jobs of (is_json, records), ~JOB_BYTES of one file each: the same for any worker count."""
     for path in files:
+        shard = isinstance(path, Future)  # a C4 shard of c4_downloads, read once downloaded
+        path = path.result() if shard else path  # a failed download raises its error here
         is_json = ".json" in os.path.basename(path)
         job, size = [], 0
         opener = gzip.open if path.endswith(".gz") else open
@@ -58,7 +60,8 @@ def jobs(files):
                         yield is_json, job
                         job, size = [], 0
             except (OSError, EOFError, zlib.error) as e:
-                die(f"{path}: corrupt or truncated file ({e})")
+                fix = "; delete it and run again: it is downloaded again" if shard else ""
+                die(f"{path}: corrupt or truncated file ({e}){fix}")
         if job:
             yield is_json, job
 
@@ -75,6 +78,11 @@ def in_order(pool, fn, extra, files, workers):
 
 
 # ----------------------------------------------------------------------------- in the workers
+def ignore_ctrl_c():
+    """A worker's start: Ctrl-C is the main process's to answer (it terminates the pool)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def normalize(text):
     """v2's cleaning: NFD splits off accents, then all non-ASCII goes (accents, curly quotes,
     dashes, emoji), lowercase, whitespace collapsed: 'Café — NAÏVE\\n' -> 'cafe naive'."""
@@ -120,59 +128,56 @@ def encode_job(job, rank_file, pattern):
 
 
 # ----------------------------------------------------------------------------- the tokenizer
+def pairs(word):
+    """A word's adjacent pairs, left to right: pairs('cat') -> ['ca', 'at']."""
+    return [a + b for a, b in zip(word, word[1:])]
+
+
 def train_bpe(counts, n_vocab):
     """Byte-level BPE: merge the most frequent adjacent pair (ties: the smaller) into a new token,
     over and over. A word (a pre-tokenised chunk) is a str of chr(id)s, so a merge is a str.replace:
     {' cat': 3, ' hat': 2} has pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha' 2; 'at' becomes
     chr(256): [' c\u0100', ' h\u0100'], vocab[256] = b'at', new pairs 'c\u0100' 3, 'h\u0100' 2.
-    test_cram.py's naive_bpe counts all pairs again per merge (a test checks both agree); here a
-    merge visits only its pair's words, by three rules: (1) no word leaves a set of words_with:
-    words that lost the pair are skipped; (2) a merge sums its `changes` to the counts and pushes
-    each changed pair again, with its new count; (3) so a popped entry of an old count is stale."""
+    The specification is test_cram.py's naive_bpe, the plain quadratic BPE that counts all pairs
+    again after each merge (a test checks both learn the same); here a merge visits only the words
+    that hold its pair, and updates the counts of the pairs it changes."""
     words = ["".join(map(chr, word.encode())) for word in counts]
     freqs = list(counts.values())  # freqs[i]: how often words[i] is in the text
     pair_counts = defaultdict(int)  # a pair's count in the words, times their freqs
-    words_with = defaultdict(set)  # a pair -> the words that hold it (and some that did: (1))
+    words_with = defaultdict(set)  # a pair -> the words that hold it, or held it
     for i, word in enumerate(words):
-        for j in range(len(word) - 1):
-            pair_counts[word[j:j + 2]] += freqs[i]
-            words_with[word[j:j + 2]].add(i)
+        for pair in pairs(word):
+            pair_counts[pair] += freqs[i]
+            words_with[pair].add(i)
     heap = [(-count, pair) for pair, count in pair_counts.items()]
     heapq.heapify(heap)  # the most frequent pair first; 2-char strs order as pairs of ids do
     vocab = [bytes([b]) for b in range(256)]  # vocab[id]: the token's bytes
     progress = Progress("tokenizer", n_vocab - 256, "merges")
     while len(vocab) < n_vocab and heap:
         minus_count, pair = heapq.heappop(heap)
-        if -minus_count != pair_counts.get(pair):
-            continue  # stale (3)
+        if -minus_count != pair_counts[pair]:
+            continue  # stale: a merge changed the count since this push, and pushed it again
         if -minus_count < 2:
             break  # nothing left that repeats: a smaller vocabulary is all this text supports
         token = chr(len(vocab))  # the merged pair's id, as a char
         vocab.append(vocab[ord(pair[0])] + vocab[ord(pair[1])])
-        changes = defaultdict(int)  # a pair -> what this merge adds to its count (2)
+        changes = defaultdict(int)  # a pair -> what this merge adds to its count, in all its words
         for i in words_with.pop(pair):
-            if pair in words[i]:  # not every word listed still holds the pair (1)
-                words[i] = merge_word(words[i], i, freqs[i], pair, token, changes, words_with)
-        for changed_pair, change in changes.items():
-            if change:  # a pair down to 0 (`pair` among them) stays 0: it never comes back
-                pair_counts[changed_pair] += change
-                heapq.heappush(heap, (-pair_counts[changed_pair], changed_pair))
+            if pair not in words[i]:
+                continue  # words_with never shrinks: an earlier merge took the pair from this word
+            for old in pairs(words[i]):
+                changes[old] -= freqs[i]
+            words[i] = words[i].replace(pair, token)
+            for new in pairs(words[i]):
+                changes[new] += freqs[i]
+                if token in new:  # the word's other pairs are listed already
+                    words_with[new].add(i)
+        for changed, change in changes.items():  # once per pair, its changes summed over the words
+            if change:  # ' c' above, kept by the merge, nets -3 + 3: left as it is
+                pair_counts[changed] += change
+                heapq.heappush(heap, (-pair_counts[changed], changed))  # again, with its new count
         progress(len(vocab) - 256)
     return {token_bytes: i for i, token_bytes in enumerate(vocab)}
-
-
-def merge_word(word, i, freq, pair, token, changes, words_with):
-    """word=' cat' (words[i]), freq=3, pair='at', token='\u0100' -> ' c\u0100'; changes 'ca' -3,
-    'at' -3, 'c\u0100' +3 (' c' -3 +3); i joins words_with['c\u0100'] (a new pair holds token)."""
-    merged = word.replace(pair, token)
-    for j in range(len(word) - 1):
-        changes[word[j:j + 2]] -= freq  # every pair of the word goes,
-    for j in range(len(merged) - 1):
-        pair_after = merged[j:j + 2]
-        changes[pair_after] += freq  # every pair of the merged word comes: the kept ones cancel
-        if token in pair_after:  # the pairs a merge creates all hold its token
-            words_with[pair_after].add(i)
-    return merged
 
 
 def load_tokenizer(tok):
@@ -249,12 +254,11 @@ def pack(pool, files, rank_file, tok, args):
     return close_rows(train, args.seq_len), close_rows(val, args.seq_len), stats
 
 
-def write_data(args, tok, pool, fetcher, stop):
-    c4_pass = functools.partial(c4_shards, args.out, args.shards, fetcher, stop)  # a pass per call
-    tok = tok or train_tokenizer(pool, args.input or c4_pass(), args)  # or --tokenizer's
+def write_data(args, tok, pool, files):
+    tok = tok or train_tokenizer(pool, files, args)  # or --tokenizer's
     rank_file = os.path.join(args.out, "tokenizer.tiktoken")  # each worker reads it once
     pathlib.Path(rank_file).write_text(tok["ranks"])
-    train_rows, val_rows, stats = pack(pool, args.input or c4_pass(), rank_file, tok, args)
+    train_rows, val_rows, stats = pack(pool, files, rank_file, tok, args)
     if not stats["documents"] and stats["trash"]:
         die(f"the trash filter dropped all {stats['trash']:,} documents (at least "
             f"{args.trash:g} tokens per character); raise --trash")
@@ -277,13 +281,14 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
-def above_zero(kind):
-    """An argparse type: a finite number above 0, or argparse's one line ('argument --lr: nan is not
-    a finite number above 0'), not a run gone wrong (--time -1 never ends, --steps 0 runs a day)."""
+def above_zero(kind, or_zero=False):
+    """An argparse type: a finite number above 0 (or_zero: or 0), or argparse's one line ('argument
+    --lr: nan is not a finite number above 0'), not a run gone wrong (--time -1 never ends)."""
     def parse(text):
         number = kind(text)
-        if not 0 < number < float("inf"):
-            raise argparse.ArgumentTypeError(f"{number} is not a finite number above 0")
+        if not (0 <= number if or_zero else 0 < number) or number == float("inf"):
+            zero = "0 or " if or_zero else ""
+            raise argparse.ArgumentTypeError(f"{number} is not {zero}a finite number above 0")
         return number
     parse.__name__ = kind.__name__  # argparse names it in its message for 'abc': 'invalid float'
     return parse
@@ -409,15 +414,19 @@ def download(url, path, stop=None):
     die(f"download failed: {url}: {cause}")
 
 
-def c4_shards(out, count, fetcher, stop):
-    """The first `count` C4 shards in order; shard i + 1 downloads (`fetcher`) while i is read."""
+@contextlib.contextmanager
+def c4_downloads(out, count):
+    """Starts downloading the first `count` C4 shards into out/raw, in order, on one thread, while
+    the main process reads: -> a future per shard. Leaving it stops the downloads."""
+    stop = threading.Event()  # a download in flight gives up at its next block
+    fetcher = ThreadPoolExecutor(1)
     path = os.path.join(out, "raw", "c4-train.{i:05d}.json.gz")
-    next_shard = fetcher.submit(download, C4_URL.format(i=0), path.format(i=0), stop)
-    for i in range(1, count + 1):
-        shard = next_shard.result()  # a failed download raises its one-line error here
-        if i < count:
-            next_shard = fetcher.submit(download, C4_URL.format(i=i), path.format(i=i), stop)
-        yield shard
+    try:
+        yield [fetcher.submit(download, C4_URL.format(i=i), path.format(i=i), stop)
+               for i in range(count)]
+    finally:
+        stop.set()
+        fetcher.shutdown(cancel_futures=True)  # and those not started never start
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -425,19 +434,22 @@ def get_args(argv):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
+    count = above_zero(int)  # 0 or less: argparse's one line, not a run that fails later
     arg("--input", nargs="+", help=".txt (paragraphs), .jsonl, .json.gz, .gz files (default: C4)")
-    arg("--shards", type=int, default=SHARDS, help="C4 shards to download (%(default)s)")
+    arg("--shards", type=count, default=SHARDS, help="C4 shards to download (%(default)s)")
     arg("--out", default="data", help="output folder, new or without meta.json (%(default)s)")
     arg("--vocab-size", type=int, default=VOCAB_SIZE, help="tokens incl. 4 specials (%(default)s)")
-    arg("--seq-len", type=int, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
+    arg("--seq-len", type=count, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
     arg("--trash", type=float, help=f"drop documents with at least this many tokens per "
         f"character ({TRASH}, or --tokenizer's: its vocabulary's scale; 0: keep all)")
-    arg("--sample-mb", type=float, default=SAMPLE_MB, help="tokenizer sample (%(default)s MB)")
+    arg("--sample-mb", type=above_zero(float), default=SAMPLE_MB,
+        help="tokenizer sample (%(default)s MB)")
     arg("--tokenizer", help="reuse a prepared folder's tokenizer and its vocab size, not train one")
-    arg("--workers", type=int, default=os.cpu_count() or 1, help="processes (%(default)s)")
+    arg("--workers", type=count, default=os.cpu_count() or 1, help="processes (%(default)s)")
     args = ap.parse_args(argv)
-    if args.vocab_size > 1 << 16:
-        die(f"--vocab-size {args.vocab_size}: ids are stored as uint16, at most 65536 tokens")
+    if not 256 + len(SPECIALS) <= args.vocab_size <= 1 << 16:
+        ap.error(f"argument --vocab-size: {args.vocab_size} is not from 260 (the 256 bytes and "
+                 f"the {len(SPECIALS)} specials) to 65536 (ids are stored as uint16)")
     return args
 
 
@@ -451,14 +463,10 @@ def main(argv=None):
         tokenizer_meta, tok = read_prepared(args.tokenizer)[:2]
     args.trash = tokenizer_meta["trash"] if args.trash is None else args.trash
     os.makedirs(args.out, exist_ok=True)
-    # The pool before any thread (forking a threaded process is unsafe); workers ignore Ctrl-C
-    with multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
-        fetcher, stop = ThreadPoolExecutor(1), threading.Event()  # downloads the next C4 shard
-        try:
-            meta = write_data(args, tok, pool, fetcher, stop)
-        finally:  # then the pool is terminated
-            stop.set()  # a download in flight gives up at its next block
-            fetcher.shutdown(cancel_futures=True)
+    # The pool before the download thread: forking a process that has threads is unsafe
+    with multiprocessing.Pool(args.workers, ignore_ctrl_c) as pool:
+        with c4_downloads(args.out, 0 if args.input else args.shards) as shards:
+            meta = write_data(args, tok, pool, args.input or shards)
     print(f"{args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens; dropped: "
           f"{json.dumps(meta['filters'])}")
     dropped = meta["filters"]["trash"] / (meta["filters"]["trash"] + meta["documents"])
