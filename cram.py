@@ -32,17 +32,13 @@ INIT_STD = 0.02         # normal init of every linear and embedding weight, as i
 LN_EPS = 1e-12          # LayerNorm epsilon of the official model
 PRESETS = {"crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=MICRO_BATCH,
                            batch_size=BATCH_SIZE, lr=LR, alibi=0.0),  # BERT-base's size
-           # the CPU demo: a small model learns from the count of updates, so a CPU's minutes go
-           # to many small, fast steps (see the README), and ALiBi gives it locality for free
+           # the CPU demo: many small, fast steps, and ALiBi's locality for free (the README)
            "tiny": dict(layers=2, width=128, heads=2, ffn=512, micro_batch=16, batch_size=16,
                         lr=6e-3, alibi=1.0)}
-# the paper's preset on a GPU: GB of memory -> micro-batch; bigger products run faster (README)
-GPU_MICRO_BATCH = {40: 512, 20: 256, 0: MICRO_BATCH}
-# MFU's denominator: dense bf16 peaks (datasheets) by GPU name, whole words, PCIe and NVL first
+GPU_MICRO_BATCH = {40: 512, 20: 256, 0: MICRO_BATCH}  # GB of GPU memory -> the micro-batch
 GPU_PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12,
                   "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A6000": 155e12,
-                  "RTX 4090": 165e12, "RTX 3090": 71e12}
-PEAK_FLOPS = GPU_PEAK_FLOPS["H100"]  # SXM: the peak for a GPU not in the table, and the CPU
+                  "RTX 4090": 165e12, "RTX 3090": 71e12}  # MFU's: dense bf16, the datasheets
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
 SAVE_TIMEOUT = 3600     # seconds DDP ranks wait for rank 0 to save or evaluate (NCCL's: 600)
 RUN_SETTINGS = [*PRESETS["crammed"], "time", "steps", "seed"]  # a run's own: --resume keeps them
@@ -94,8 +90,7 @@ class GatedMLP(nn.Module):
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x):
-        # two products with the weight's halves, not one product split after: the backward then
-        # never joins the value's and the gate's (B, T, ffn/2) gradients into one tensor
+        # two products, not one split after: the backward never joins their (B, T, ffn/2) grads
         w_value, w_gate = self.fc.weight.chunk(2)  # each (ffn/2, width)
         value, gate = F.linear(x, w_value), F.linear(x, w_gate)  # each (B, T, ffn/2)
         return self.drop(self.out(value * F.gelu(gate)))
@@ -182,17 +177,15 @@ def flops_per_token(c):
 # ----------------------------------------------------------------------------- the objective
 def mask_rows(rows, specials, gen):
     """Masked LM with static shapes: exactly round(0.25 x T) positions a row, never a special token
-    (`specials`: their ids, the last of the vocabulary); of those, 80% read [MASK], 10% a random
-    ordinary token, 10% their own. One possible draw, T=8, [SEP]=9, [MASK]=M:
-    rows=[[5, 6, 7, 9, 1, 2, 3, 4]] -> positions=[[1, 6]], labels=[[6, 3]],
-    idx=[[5, M, 7, 9, 1, 2, M, 4]]. A row of prepare.py holds at least T/2 ordinary tokens (each
-    [SEP] follows a document), so there are always enough. No row holds [CLS] (v2 neither): every
+    (`specials`: the last ids), 80% of them then read [MASK], 10% a random ordinary token, 10%
+    their own. One possible draw, T=8, [SEP]=9, [MASK]=M: rows=[[5, 6, 7, 9, 1, 2, 3, 4]] ->
+    positions=[[1, 6]], labels=[[6, 3]], idx=[[5, M, 7, 9, 1, 2, M, 4]]. Each [SEP] follows a
+    document, so a row has T/2 ordinary tokens or more. No row holds [CLS] (v2 neither): every
     slot holds text, and fine-tuning teaches the first position what GLUE's head reads there."""
     B, T = rows.shape
-    special_ids = torch.tensor(sorted(specials.values()))
     n_ordinary = min(specials.values())  # ordinary tokens are the ids below the specials
     # the positions: the smallest of uniform noise, in which the specials' 2.0 sorts last
-    noise = torch.rand(B, T, generator=gen).masked_fill(torch.isin(rows, special_ids), 2.0)
+    noise = torch.rand(B, T, generator=gen).masked_fill(rows >= n_ordinary, 2.0)
     positions = noise.topk(round(MASK_RATE * T), dim=1, largest=False).indices  # (B, masked)
     labels = rows.gather(1, positions)  # (B, masked)
     roll = torch.rand(positions.shape, generator=gen)
@@ -234,8 +227,7 @@ class Batches:
     curriculum); (epoch, pos) is all the state. Rank r reads micro-batch r of every `world`."""
 
     def __init__(self, rows, micro, seed, rank=0, world=1):
-        self.rows, self.micro, self.seed = rows, micro, seed
-        self.rank, self.world = rank, world
+        self.rows, self.micro, self.seed, self.rank, self.world = rows, micro, seed, rank, world
         self.epoch, self.pos, self.order = 0, 0, None
 
     def __next__(self):
@@ -290,8 +282,7 @@ def build(c, args, device, world=1):
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
     model = raw
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 products outside autocast: TF32 too
         if not args.no_compile:
             model = torch.compile(model)  # one graph: the fixed count of masks keeps shapes static
     if world > 1:
@@ -327,29 +318,21 @@ class Trainer:
                  f"{args.lr} | micro-batches of {args.micro_batch} x {world}, the batch ramps "
                  f"from {args.micro_batch * world} to {last_batch} on {device}")
         self.log("\n".join([first, *changes, mfu_line]))
-        if device.type == "cpu" and self.c == ModelConfig(self.c.vocab_size):
-            self.log("a CPU trains the paper's model thousands of times slower than a GPU (the "
-                     "README's Measurements); its CPU demo learns in minutes: --preset tiny")
         self.state = dict(step=0, seqs=0, elapsed=0.0)
         self.saved = None  # the step of the checkpoint on the disk, for the faults' lines
         self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world)
         self.val = rows["val"][:args.eval_rows]
         self.specials = self.tok["special_tokens"]
         self.signals = []  # Ctrl-C and SIGTERM received: the run saves and stops after the step
-        if ckpt:
-            self.resume(ckpt)
-
-    def resume(self, ckpt):
-        """The run goes on where its checkpoint left it, saved again at once: a full disk is found
-        before the first step."""
-        self.state.update({k: ckpt[k] for k in self.state})
-        self.data.epoch, self.data.pos = ckpt["data"]
-        self.raw.load_state_dict(ckpt["model"])
-        self.opt.load_state_dict(ckpt["optimizer"])
-        self.log(f"resumed at step {self.state['step']} with the run's own settings")
-        if self.used(self.state["elapsed"]) >= 1:
-            self.log("the run is finished: its budget is spent; a longer one is a new run")
-        self.save()
+        if ckpt:  # the run goes on where it was saved, and saves at once: a full disk shows now
+            self.state.update({k: ckpt[k] for k in self.state})
+            self.data.epoch, self.data.pos = ckpt["data"]
+            self.raw.load_state_dict(ckpt["model"])
+            self.opt.load_state_dict(ckpt["optimizer"])
+            self.log(f"resumed at step {self.state['step']} with the run's own settings")
+            if self.used(self.state["elapsed"]) >= 1:
+                self.log("the run is finished: its budget is spent; a longer one is a new run")
+            self.save()
 
     def train(self):
         """The loop and the checkpoint, or a fault's line; then, Ctrl-C the caller's, validation."""
@@ -379,8 +362,7 @@ class Trainer:
         return self.raw
 
     def loop(self):
-        """The training loop, in nanoGPT's order: read the clock, stop if the budget is spent,
-        validate and save when due, set lr and batch, run the step, log it."""
+        """nanoGPT's order: clock, stop?, validate and save if due, lr and batch, the step, log."""
         args, state = self.args, self.state
         start = time.monotonic() - state["elapsed"]  # a resumed run goes on from its own time
         due = dict(log=state["elapsed"], eval=state["elapsed"] + args.eval_every,
@@ -448,7 +430,6 @@ class Trainer:
         norm = nn.utils.clip_grad_norm_(self.raw.parameters(), CLIP)
         loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step waits for the GPU here
         if not math.isfinite(norm):  # the weights have not seen it: save them, skip these rows
-            self.opt.zero_grad(set_to_none=True)
             self.save()
             self.fault("gradient not finite", f"--lr {self.args.lr / 2:g}")
         self.opt.step()
@@ -467,8 +448,7 @@ class Trainer:
             record["tok_s"] = round(tok_s)
             record["mfu"] = flops_per_token(self.c) * tok_s / self.world / self.peak  # per GPU
         record["elapsed"] = round(elapsed, 1)
-        pace = elapsed / state["step"]
-        left = (args.steps - state["step"]) * pace if args.steps else args.time - elapsed
+        left = (args.steps / state["step"] - 1) * elapsed if args.steps else args.time - elapsed
         record["left"] = max(0.0, left)
         self.log(**record)
 
@@ -511,8 +491,7 @@ class Trainer:
                 with atomic(self.path) as f:
                     torch.save(ckpt, f)
             except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
-                die(f"{self.path}: cannot save the checkpoint ({str(e)[:70]}); the last one is "
-                    f"intact")
+                die(f"{self.path}: cannot save ({str(e)[:60]}); the last checkpoint is intact")
         self.saved = self.state["step"]
 
 
@@ -527,7 +506,7 @@ def encode_masked(text, enc):
 @torch.no_grad()
 def fill(args, device):
     """--fill: the checkpoint's top 5 tokens, with probabilities, for each [MASK] of each text."""
-    ckpt, answers = load_checkpoint(args.ckpt), []
+    ckpt, answers = load_checkpoint(os.path.join(args.out, "ckpt.pt")), []
     model, enc = load_model(ckpt).to(device).eval(), load_tokenizer(ckpt["tokenizer"])
     specials, T = ckpt["tokenizer"]["special_tokens"], model.config.seq_len
     for text in args.fill:
@@ -547,8 +526,7 @@ def fill(args, device):
 
 # ----------------------------------------------------------------------------- plumbing
 def paper_micro_batch(first):
-    """The paper's preset's micro-batch: the most the GPU's memory holds (bigger products run
-    faster), but at most RAMP_FIRST of the batch over all GPUs, the ramp's first step."""
+    """The paper's micro-batch: the most the GPU holds, at most RAMP_FIRST of the batch (README)."""
     size = MICRO_BATCH
     device = pick_device(first.device)
     if device.type == "cuda":
@@ -564,8 +542,7 @@ def peak_flops(device):
     for key, peak in GPU_PEAK_FLOPS.items():  # in the table's order; "A100" is not "A1000"
         if re.search(rf"\b{key}\b", name):
             return peak, f"MFU against the {name}'s dense bf16 peak, {peak / 1e12:.0f} TFLOP/s"
-    return PEAK_FLOPS, (f"MFU against the H100's dense bf16 peak, {PEAK_FLOPS / 1e12:.0f} "
-                        f"TFLOP/s ({name} is not in GPU_PEAK_FLOPS)")
+    return GPU_PEAK_FLOPS["H100"], f"MFU against the H100's peak ({name} is not in GPU_PEAK_FLOPS)"
 
 
 LOG_FORMAT = {"step": "step {}", "tokens": "{:,} tok", "loss": "loss {:.4f}", "lr": "lr {:.2e}",
@@ -588,8 +565,7 @@ def load_checkpoint(path, meta=None, tok=None, hint=""):
         die(f"{path}: not a cram checkpoint")
     if meta and (ckpt["tokenizer"]["ranks"] != tok["ranks"]
                  or ckpt["model_config"]["seq_len"] != meta["seq_len"]):
-        die(f"{path}: trained with another tokenizer or row length than this data; prepare the "
-            f"data with --tokenizer")
+        die(f"{path}: another tokenizer or row length than this data; prepare it with --tokenizer")
     return ckpt
 
 
@@ -600,8 +576,9 @@ def load_model(ckpt, **overrides):
     return model
 
 
-def parser():
-    """cram.py's flags; get_args sets the defaults of the model and the batch."""
+def get_args(argv=None):
+    """The run's settings, all in argparse: the flags given, over defaults that are the preset's
+    (--preset is read first), or on --resume the run's own. -> (args, a resume's changes)"""
     ap = argparse.ArgumentParser(description=__doc__, add_help=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
@@ -618,23 +595,13 @@ def parser():
     arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
     arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
-    seconds = above_zero(float, or_zero=True)
-    rows = above_zero(int, or_zero=True)
-    arg("--log-every", type=seconds, default=10, help="seconds between log lines")
-    arg("--eval-every", type=seconds, default=0, help="seconds between validations (0: at the end)")
-    arg("--eval-rows", type=rows, default=2048, help="held-out rows to validate on (0: none)")
+    arg("--log-every", type=above_zero(float, or_zero=True), default=10, help="s between log lines")
+    arg("--eval-every", type=above_zero(float, or_zero=True), default=0, help="validate every N s")
+    arg("--eval-rows", type=above_zero(int, or_zero=True), default=2048, help="validation rows")
     arg("--save-every", type=above_zero(float), default=1800, help="seconds between checkpoints")
     arg("--resume", action="store_true", help="go on with OUT/ckpt.pt (see RESUME_MAY_CHANGE)")
-    arg("--fill", nargs="+", metavar="TEXT", help="--ckpt's top 5 for each [MASK], no training")
-    arg("--ckpt", help="checkpoint for --fill (default: OUT/ckpt.pt)")
+    arg("--fill", nargs="+", metavar="TEXT", help="OUT/ckpt.pt's top 5 for each [MASK] of TEXT")
     ap.set_defaults(**PRESETS["crammed"])
-    return ap
-
-
-def get_args(argv=None):
-    """The run's settings, all in argparse: the flags given, over defaults that are the preset's
-    (--preset is read first), or on --resume the run's own. -> (args, a resume's changes)"""
-    ap = parser()
     first = ap.parse_known_args(argv)[0]  # the flags that choose the defaults
     run = {}
     if first.resume:
@@ -655,7 +622,6 @@ def get_args(argv=None):
         if k not in RESUME_MAY_CHANGE:
             ap.error(f"--{k.replace('_', '-')} {vars(args)[k]}: --resume keeps the run's own "
                      f"{run['args'][k]}; a new budget, model or seed is a new run: another --out")
-    args.ckpt = args.ckpt or os.path.join(args.out, "ckpt.pt")
     return args, [f"--{k.replace('_', '-')} {vars(args)[k]} replaces the run's own "
                   f"{run['args'][k]}" for k in changes]
 

@@ -76,8 +76,6 @@ def truncate(a, b, room):
     """Cut the longer of two token lists first until both fit in room ("longest first"). seq_len
     128, room 125 ([CLS] a [SEP] b [SEP] takes 3): lengths (100, 60) -> the shorter keeps
     min(60, 125 // 2) = 60, a the other 65; (100, 90) -> (63, 62). One sentence: b [], room 126."""
-    if len(a) + len(b) <= room:
-        return a, b
     short = min(len(a), len(b), room // 2)
     if len(a) <= len(b):
         return a[:short], b[:room - short]
@@ -100,8 +98,7 @@ def encode(enc, specials, rows, seq_len):
 
 # ----------------------------------------------------------------------------- fine-tuning
 class Classifier(nn.Module):
-    """The crammed encoder, then v2's head on its first token ([CLS], "zero_index") or, with
-    --pool mean, on the mean of the non-padding positions (the CPU demo's: see the README)."""
+    """The crammed encoder, then v2's head on [CLS] ("zero_index") or on the mean (--pool mean)."""
 
     def __init__(self, encoder, n_out, pad, pool="first"):
         super().__init__()
@@ -148,8 +145,7 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     step_model, multiple = model, 1  # eager: cut to the longest row; padding only costs time
     if device.type == "cuda" and not args.no_compile:
         torch._dynamo.reset()  # dynamo compiles 8 graphs at most: a run's 4 lengths and last fit
-        step_model = torch.compile(model, dynamic=False, fullgraph=True)
-        multiple = BUCKET
+        step_model, multiple = torch.compile(model, dynamic=False, fullgraph=True), BUCKET
     ids, ys = train
     order = torch.cat([torch.randperm(len(ids)) for _ in range(args.epochs)])
     steps = math.ceil(len(order) / args.batch_size)
@@ -192,11 +188,8 @@ def pearson(p, y):
     return float(np.sum(p * y) / d) if d else 0.0  # a constant: no correlation, not nan
 
 
-mcc = pearson  # for 0/1 labels Matthews' coefficient is exactly Pearson's r
-
-
 def score(task, p, y):
-    fns = dict(accuracy=accuracy, f1=f1, mcc=mcc, pearson=pearson)
+    fns = dict(accuracy=accuracy, f1=f1, mcc=pearson, pearson=pearson)  # 0/1 labels: MCC is r
     return {m: 100 * fns[m](p, y) for m in METRICS.get(task, ["accuracy"])}
 
 
@@ -229,7 +222,6 @@ def build_mrpc(folder):
 
 
 def read_task(task, glue_dir):
-    """{split: rows} of one task, its files downloaded first where missing."""
     folder = os.path.join(glue_dir, task)
     files = {"train": "train.tsv", **DEV.get(task, {task: "dev.tsv"})}
     missing = not all(os.path.exists(os.path.join(folder, f)) for f in files.values())
@@ -258,13 +250,8 @@ def save_results(path, results, run_id):
     data.setdefault("results", {}).update(results)
     comparable = {s: r for s, r in data["results"].items() if r.get("run") == run_id}
     data["average"] = glue_score(comparable)[0]
-    try:
-        with atomic(path, "w") as f:
-            json.dump(data, f, indent=1)
-    except OSError as e:  # a full disk fails in write or fsync, which name no file
-        if e.filename:  # glue.json.tmp could not be made: entry names it
-            raise
-        die(f"{path}: not saved ({e.strerror or e}); the earlier one, if any, is intact")
+    with atomic(path, "w") as f:  # a full disk leaves the earlier one, and entry names the file
+        json.dump(data, f, indent=1)
     return data, comparable
 
 
@@ -306,26 +293,24 @@ def main(argv=None):
     save_results(out, {}, run_id)  # a damaged glue.json or a folder that takes no file: said now
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
     seq_len = ckpt["model_config"]["seq_len"]
-    results = {}
     for task, rows in data.items():
         train = encode(enc, specials, rows.pop("train")[:args.max_train_samples], seq_len)
         devs = {s: encode(enc, specials, r, seq_len) for s, r in rows.items()}
         runs = [finetune(ckpt, task, train, devs, args, k, device) for k in range(args.trials)]
         for split in devs:
             trials = [r[split] for r in runs]
-            results[split] = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}
-            results[split].update(trials=trials, settings=vars(args), run=run_id)
-        saved, comparable = save_results(out, results, run_id)  # after every task: none lost
+            result = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}
+            result.update(trials=trials, settings=vars(args), run=run_id)
+            saved, comparable = save_results(out, {split: result}, run_id)  # at once: none lost
     avg, numbers = glue_score(comparable)
     others = sorted(set(saved["results"]) - set(comparable))
     if others:
         print(f"{out}: left out {', '.join(others)}: another checkpoint or setting than this run's")
     ours = "random init" if args.random_init else os.path.basename(args.ckpt)
-    table = {ours: [numbers.get(s) for s in COLUMNS] + [avg], **REFERENCE}
     print(f"\nours: the median of {args.trials} trial(s) per task; the paper's rows: medians of 5 "
           f"(--trials 5), v2's: the best of 5")
     print(f"{'model':29s}" + "".join(f"{s:>8s}" for s in [*COLUMNS, "GLUE"]))
-    for label, values in table.items():
+    for label, values in {ours: [numbers.get(s) for s in COLUMNS] + [avg], **REFERENCE}.items():
         print(f"{label:29s}" + "".join("       -" if v is None else f"{v:8.1f}" for v in values))
     print(f"wrote {out}")
     return saved["results"]

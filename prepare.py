@@ -78,11 +78,6 @@ def in_order(pool, fn, extra, files, workers):
 
 
 # ----------------------------------------------------------------------------- in the workers
-def ignore_ctrl_c():
-    """A worker's start: Ctrl-C is the main process's to answer (it terminates the pool)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def normalize(text):
     """v2's cleaning: NFD splits off accents, then all non-ASCII goes (accents, curly quotes,
     dashes, emoji), lowercase, whitespace collapsed: 'Café — NAÏVE\\n' -> 'cafe naive'."""
@@ -138,9 +133,8 @@ def train_bpe(counts, n_vocab):
     over and over. A word (a pre-tokenised chunk) is a str of chr(id)s, so a merge is a str.replace:
     {' cat': 3, ' hat': 2} has pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha' 2; 'at' becomes
     chr(256): [' c\u0100', ' h\u0100'], vocab[256] = b'at', new pairs 'c\u0100' 3, 'h\u0100' 2.
-    The specification is test_cram.py's naive_bpe, the plain quadratic BPE that counts all pairs
-    again after each merge (a test checks both learn the same); here a merge visits only the words
-    that hold its pair, and updates the counts of the pairs it changes."""
+    The specification is test_cram.py's naive_bpe (a test checks both learn the same), which counts
+    all pairs again per merge; here a merge visits only its pair's words, updating what changes."""
     words = ["".join(map(chr, word.encode())) for word in counts]
     freqs = list(counts.values())  # freqs[i]: how often words[i] is in the text
     pair_counts = defaultdict(int)  # a pair's count in the words, times their freqs
@@ -264,13 +258,12 @@ def write_data(args, tok, pool, files):
             f"{args.trash:g} tokens per character); raise --trash")
     if not train_rows or not val_rows:
         die(f"too little data for a train and a val row of {args.seq_len} tokens; give more text")
-    filters = {k: stats[k] for k in ("bad_lines", "duplicates", "trash", "trash_chars")}
-    sources = args.input or [C4_URL.format(i=i) for i in range(args.shards)]
     meta = {"vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS), "seq_len": args.seq_len,
             "special_tokens": tok["special_tokens"], "pattern": tok["pattern"],
             "train": {"rows": train_rows}, "val": {"rows": val_rows}, "trash": args.trash,
-            "filters": filters, "documents": stats["documents"], "characters": stats["characters"],
-            "tokens": stats["tokens"], "sources": sources}
+            "filters": {k: stats[k] for k in ("bad_lines", "duplicates", "trash", "trash_chars")},
+            **{k: stats[k] for k in ("documents", "characters", "tokens")},
+            "sources": args.input or [C4_URL.format(i=i) for i in range(args.shards)]}
     with atomic(os.path.join(args.out, "meta.json"), "w") as f:  # the commit: now it is data
         json.dump(meta, f, indent=1)
     return meta
@@ -311,7 +304,6 @@ def entry(main):
 class Progress:
     """A long step's progress line on stderr, at most every 2 s; `extra()` adds to it. 20 s in,
     Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'."""
-    SETTLE = 5.0  # s before an ETA: the first batches' rate is the warm-up's, not the run's
 
     def __init__(self, what, total=0, unit=""):
         self.what, self.total, self.unit = what, total, unit  # total 0: a count, no ETA
@@ -325,7 +317,7 @@ class Progress:
             number = "{:,.1f}" if isinstance(done, float) else "{:,}"  # MB to 0.1, counts whole
             total = f"/{number.format(self.total)}" if self.total else ""
             line = f"{self.what}: {number.format(done)}{total} {self.unit}"
-            if self.total and now - self.start >= self.SETTLE:
+            if self.total and now - self.start >= 5.0:  # sooner: the warm-up's rate, not the run's
                 left = int((self.total - done) / max(rate, 1e-9))
                 line += f", ETA {left // 60}:{left % 60:02d}"
             print(f"{line}, {rate:,.1f} {self.unit}/s{extra()}", file=sys.stderr, flush=True)
@@ -341,9 +333,11 @@ def atomic(path, mode="wb"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
+        if isinstance(e, OSError) and not e.filename:  # a full disk's write or fsync names none
+            e.filename = path
         raise
     folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     os.fsync(folder)
@@ -361,8 +355,7 @@ def read_prepared(folder):
         load_tokenizer(tok)  # it must parse, and hold every token (a file cut at a line parses)
         n_vocab = len(tok["ranks"].splitlines()) + len(tok["special_tokens"])
         if n_vocab != meta["vocab_size"]:
-            raise ValueError(f"{n_vocab} tokens with the specials, meta.json says "
-                             f"{meta['vocab_size']}")
+            raise ValueError(f"{n_vocab} tokens, specials too; meta.json says {meta['vocab_size']}")
         rows = {}
         for split in ("train", "val"):
             path = os.path.join(folder, f"{split}.bin")
@@ -416,16 +409,14 @@ def download(url, path, stop=None):
 
 @contextlib.contextmanager
 def c4_downloads(out, count):
-    """Starts downloading the first `count` C4 shards into out/raw, in order, on one thread, while
-    the main process reads: -> a future per shard. Leaving it stops the downloads."""
-    stop = threading.Event()  # a download in flight gives up at its next block
-    fetcher = ThreadPoolExecutor(1)
+    """Downloads the first `count` C4 shards to out/raw in turn, as the caller reads: -> futures."""
+    fetcher, stop = ThreadPoolExecutor(1), threading.Event()
     path = os.path.join(out, "raw", "c4-train.{i:05d}.json.gz")
     try:
         yield [fetcher.submit(download, C4_URL.format(i=i), path.format(i=i), stop)
                for i in range(count)]
     finally:
-        stop.set()
+        stop.set()  # a download in flight gives up at its next block
         fetcher.shutdown(cancel_futures=True)  # and those not started never start
 
 
@@ -463,8 +454,9 @@ def main(argv=None):
         tokenizer_meta, tok = read_prepared(args.tokenizer)[:2]
     args.trash = tokenizer_meta["trash"] if args.trash is None else args.trash
     os.makedirs(args.out, exist_ok=True)
-    # The pool before the download thread: forking a process that has threads is unsafe
-    with multiprocessing.Pool(args.workers, ignore_ctrl_c) as pool:
+    # The pool before the download thread (forking a process that has threads is unsafe). Workers
+    # ignore Ctrl-C: the main process answers it, and leaving the pool terminates them
+    with multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
         with c4_downloads(args.out, 0 if args.input else args.shards) as shards:
             meta = write_data(args, tok, pool, args.input or shards)
     print(f"{args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens; dropped: "
