@@ -61,7 +61,7 @@ class ModelConfig:
 
 class Attention(nn.Module):
     """Multi-head self-attention with no biases. `visible`: None, a bool mask (B, 1, 1, T) of the
-    keys that are not padding, or ALiBi's float bias on the scores (heads, T, T)."""
+    keys that are not padding, or ALiBi's bias on the scores, (heads, T, T), -inf at padding."""
 
     def __init__(self, c):
         super().__init__()
@@ -178,8 +178,8 @@ def flops_per_token(c):
 def mask_rows(rows, specials, gen):
     """Masked LM with static shapes: exactly round(0.25 x T) positions a row, never a special token
     (`specials`: the last ids), 80% of them then read [MASK], 10% a random ordinary token, 10%
-    their own. One possible draw, T=8, [SEP]=9, [MASK]=M: rows=[[5, 6, 7, 9, 1, 2, 3, 4]] ->
-    positions=[[1, 6]], labels=[[6, 3]], idx=[[5, M, 7, 9, 1, 2, M, 4]]. Each [SEP] follows a
+    their own. One possible draw, T=8, [SEP]=12, [MASK]=M: rows=[[5, 6, 7, 12, 1, 2, 3, 4]] ->
+    positions=[[1, 6]], labels=[[6, 3]], idx=[[5, M, 7, 12, 1, 2, M, 4]]. Each [SEP] follows a
     document, so a row has T/2 ordinary tokens or more. No row holds [CLS] (v2 neither): every
     slot holds text, and fine-tuning teaches the first position what GLUE's head reads there."""
     B, T = rows.shape
@@ -249,7 +249,7 @@ def evaluate(model, rows, specials, micro, device):
     per_row = [masked(r[None], specials, EVAL_SEED + i, torch.device("cpu"))
                for i, r in enumerate(rows)]
     inputs = {k: torch.cat([r[k] for r in per_row]).to(device) for k in per_row[0]}
-    loss_sum, right, count = 0.0, 0, 0
+    loss_sum, right = 0.0, 0
     progress = Progress("evaluate", len(rows), "rows")
     for i in range(0, len(rows), micro):
         idx, positions, labels = (inputs[k][i:i + micro] for k in ("idx", "positions", "labels"))
@@ -258,10 +258,9 @@ def evaluate(model, rows, specials, micro, device):
         loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                     reduction="sum").item()
         right += (logits.argmax(-1) == labels).sum().item()
-        count += labels.numel()
         progress(i + len(labels))
     model.train()
-    return loss_sum / count, right / count
+    return loss_sum / inputs["labels"].numel(), right / inputs["labels"].numel()
 
 
 # ----------------------------------------------------------------------------- training
@@ -471,7 +470,7 @@ class Trainer:
                 print(json.dumps(record), file=self.logf, flush=True)
 
     def on_signal(self, signum, frame):  # said at once: a CPU step of the paper's model is slow
-        print(f"signal {signum}: the run stops after this step and saves", flush=True)
+        print(f"signal {signum}: the run stops at the end of a step and saves", flush=True)
         self.signals.append(signum)
 
     def fault(self, what, change):
@@ -584,7 +583,7 @@ def get_args(argv=None):
     arg = ap.add_argument
     arg("--data", default="data", help="folder written by prepare.py (%(default)s)")
     arg("--out", default="out", help="folder for ckpt.pt and log.jsonl (%(default)s)")
-    arg("--time", type=above_zero(float), default=BUDGET, help="budget in s, compiling too")
+    arg("--time", type=above_zero(float), default=BUDGET, help="(%(default)s s, compiling too)")
     arg("--steps", type=above_zero(int), help="budget in optimizer steps instead (reproducible)")
     arg("--preset", choices=PRESETS, default="crammed", help="the paper's, or tiny: the CPU demo")
     for k in ("layers", "width", "heads", "ffn"):
@@ -592,13 +591,13 @@ def get_args(argv=None):
     arg("--micro-batch", type=above_zero(int), help="sequences per forward pass (%(default)s)")
     arg("--batch-size", type=above_zero(int), help="sequences a step after the ramp (%(default)s)")
     arg("--lr", type=above_zero(float), help="peak learning rate (%(default)s)")
-    arg("--seed", type=int, default=0, help="seeds the initialisation, data order and masks")
+    arg("--seed", type=int, default=0, help="of the init, data order and masks (%(default)s)")
     arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
-    arg("--log-every", type=above_zero(float, or_zero=True), default=10, help="s between log lines")
-    arg("--eval-every", type=above_zero(float, or_zero=True), default=0, help="validate every N s")
-    arg("--eval-rows", type=above_zero(int, or_zero=True), default=2048, help="validation rows")
-    arg("--save-every", type=above_zero(float), default=1800, help="seconds between checkpoints")
+    arg("--log-every", type=above_zero(float, or_zero=True), default=10, help="(%(default)s s)")
+    arg("--eval-every", type=above_zero(float, or_zero=True), default=0, help="s (0: the end only)")
+    arg("--eval-rows", type=above_zero(int, or_zero=True), default=2048, help="(%(default)s)")
+    arg("--save-every", type=above_zero(float), default=1800, help="(%(default)s s)")
     arg("--resume", action="store_true", help="go on with OUT/ckpt.pt (see RESUME_MAY_CHANGE)")
     arg("--fill", nargs="+", metavar="TEXT", help="OUT/ckpt.pt's top 5 for each [MASK] of TEXT")
     ap.set_defaults(**PRESETS["crammed"])
@@ -613,8 +612,8 @@ def get_args(argv=None):
         ap.set_defaults(micro_batch=paper_micro_batch(first))
     ap.add_argument("-h", "--help", action="help", help="show this, with the run's defaults, exit")
     args = ap.parse_args(argv)
-    if args.width % args.heads or args.ffn % 2:
-        ap.error("--width must divide by --heads, and --ffn be even")
+    if args.width % args.heads or args.width % 2 or args.ffn % 2:
+        ap.error("--width must be even and divide by --heads, and --ffn be even")
     if args.batch_size < args.micro_batch:
         ap.error("--batch-size must be at least --micro-batch")
     changes = [k for k in RUN_SETTINGS if run and vars(args)[k] != run["args"][k]]

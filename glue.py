@@ -66,7 +66,8 @@ def read_tsv(path, task):
                              float(y) if t.labels is None else t.labels.index(y)))
             except (KeyError, TypeError, ValueError):
                 want = "a number" if t.labels is None else "one of " + ", ".join(t.labels)
-                die(f"{path}:{n}: label {y!r} (column {t.label!r}) is not {want}; is this {task}?")
+                die(f"{path}:{n}: a text column is missing, or label {y!r} (column {t.label!r}) is "
+                    f"not {want}; is this {task}?")
     if not rows:
         die(f"{path}: no examples")
     return rows

@@ -275,7 +275,7 @@ def die(msg):
 
 
 def above_zero(kind, or_zero=False):
-    """An argparse type: a finite number above 0 (or_zero: or 0), or argparse's one line ('argument
+    """An argparse type: a finite number above 0 (or_zero: or 0), or argparse's error ('argument
     --lr: nan is not a finite number above 0'), not a run gone wrong (--time -1 never ends)."""
     def parse(text):
         number = kind(text)
@@ -425,7 +425,7 @@ def get_args(argv):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
-    count = above_zero(int)  # 0 or less: argparse's one line, not a run that fails later
+    count = above_zero(int)  # 0 or less: argparse's error, not a run that fails later
     arg("--input", nargs="+", help=".txt (paragraphs), .jsonl, .json.gz, .gz files (default: C4)")
     arg("--shards", type=count, default=SHARDS, help="C4 shards to download (%(default)s)")
     arg("--out", default="data", help="output folder, new or without meta.json (%(default)s)")
