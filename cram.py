@@ -14,7 +14,7 @@ from prepare import normalize, read_prepared
 
 # ----------------------------------------------------------------------------- the recipe
 BUDGET = 86400          # seconds: one day on one GPU, compilation included
-LR = 1e-3               # peak AdamW learning rate
+LR = 1e-3               # peak AdamW learning rate: v2's, high for BERT; pre-norm keeps it stable
 BETAS = (0.9, 0.98)     # a shorter second-moment memory than Adam's 0.999: steadier with big lr
 EPS = 1e-12             # v2's AdamW epsilon
 WEIGHT_DECAY = 0.01     # on every weight but the LayerNorms', as in v2 (the position scale too)
@@ -22,7 +22,7 @@ CLIP = 0.5              # gradient-norm clipping: the paper's guard against loss
 LR_START = 0.25         # budget-triangle2: lr starts at 25% of the peak ...
 LR_FALL = 4.0           # ... and falls as 4(1 - x), so it peaks at x = 0.75 and ends at zero
 RAMP_END = 0.6          # the batch reaches --batch-size at 60% of the budget
-RAMP_FIRST = 1 / 8      # the ramp's first step is at most this share of the batch (v2's: 1/64)
+RAMP_FIRST = 1 / 8      # the default micro-batch: at most this share of the batch (v2's: 1/64)
 MICRO_BATCH = 128       # sequences per forward pass: v2's, for a GPU of 24 GB
 BATCH_SIZE = 8192       # sequences per step at the end of the ramp: a GPU day wants big batches
 MASK_RATE = 0.25        # v2 masks 25% of the tokens (BERT: 15%): more signal per sequence
@@ -60,8 +60,8 @@ class ModelConfig:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with no biases. `visible`: None, a bool mask (B, 1, 1, T) of the
-    keys that are not padding, or ALiBi's bias on the scores, (heads, T, T), -inf at padding."""
+    """Multi-head self-attention with no biases. `visible`: None, the keys that are not padding
+    (B, 1, 1, T), or ALiBi's bias on the scores, (heads, T, T) or (B, heads, T, T) with padding."""
 
     def __init__(self, c):
         super().__init__()
@@ -281,7 +281,7 @@ def build(c, args, device, world=1):
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
     model = raw
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 products outside autocast: TF32 too
+        torch.backends.cuda.matmul.allow_tf32 = True
         if not args.no_compile:
             model = torch.compile(model)  # one graph: the fixed count of masks keeps shapes static
     if world > 1:
@@ -322,7 +322,7 @@ class Trainer:
         self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world)
         self.val = rows["val"][:args.eval_rows]
         self.specials = self.tok["special_tokens"]
-        self.signals = []  # Ctrl-C and SIGTERM received: the run saves and stops after the step
+        self.signals = []  # Ctrl-C and SIGTERM received: the run saves and stops at a step's end
         if ckpt:  # the run goes on where it was saved, and saves at once: a full disk shows now
             self.state.update({k: ckpt[k] for k in self.state})
             self.data.epoch, self.data.pos = ckpt["data"]
@@ -591,7 +591,7 @@ def get_args(argv=None):
     arg("--micro-batch", type=above_zero(int), help="sequences per forward pass (%(default)s)")
     arg("--batch-size", type=above_zero(int), help="sequences a step after the ramp (%(default)s)")
     arg("--lr", type=above_zero(float), help="peak learning rate (%(default)s)")
-    arg("--seed", type=int, default=0, help="of the init, data order and masks (%(default)s)")
+    arg("--seed", type=above_zero(int, or_zero=True), default=0, help="of init, order, masks (0)")
     arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
     arg("--log-every", type=above_zero(float, or_zero=True), default=10, help="(%(default)s s)")
@@ -620,7 +620,7 @@ def get_args(argv=None):
     for k in changes:
         if k not in RESUME_MAY_CHANGE:
             ap.error(f"--{k.replace('_', '-')} {vars(args)[k]}: --resume keeps the run's own "
-                     f"{run['args'][k]}; a new budget, model or seed is a new run: another --out")
+                     f"{run['args'][k]}; other budgets, models, seeds, batches: a new --out")
     return args, [f"--{k.replace('_', '-')} {vars(args)[k]} replaces the run's own "
                   f"{run['args'][k]}" for k in changes]
 

@@ -73,7 +73,7 @@ def in_order(pool, fn, extra, files, workers):
     pending = deque(itertools.islice(handed_out, 2 * workers))
     while pending:
         result = pending.popleft().get()
-        pending.extend(itertools.islice(handed_out, 1))  # the next job takes its place
+        pending.extend(itertools.islice(handed_out, 1))
         yield result
 
 
@@ -98,7 +98,7 @@ def texts(is_json, records):
 def count_chunks(job):
     """For the tokenizer: (count of each pre-tokenised chunk, characters) of a job."""
     counts, chars = Counter(), 0
-    for text in filter(None, texts(*job)):  # the good records
+    for text in filter(None, texts(*job)):
         counts.update(re.findall(PATTERN, text))
         chars += len(text)
     return counts, chars
@@ -158,7 +158,7 @@ def train_bpe(counts, n_vocab):
         changes = defaultdict(int)  # a pair -> what this merge adds to its count, in all its words
         for i in words_with.pop(pair):
             if pair not in words[i]:
-                continue  # words_with never shrinks: an earlier merge took the pair from this word
+                continue  # no word leaves a set of words_with: an earlier merge took this pair
             for old in pairs(words[i]):
                 changes[old] -= freqs[i]
             words[i] = words[i].replace(pair, token)
@@ -185,7 +185,7 @@ def load_tokenizer(tok):
 
 def train_tokenizer(pool, files, args):
     """A BPE of --vocab-size tokens from the first --sample-mb of text, in whole jobs."""
-    counts, chars = Counter(), 0  # summed over the jobs so far
+    counts, chars = Counter(), 0
     progress = Progress("tokenizer sample", args.sample_mb, "MB")
     for job_counts, job_chars in in_order(pool, count_chunks, (), files, args.workers):
         counts.update(job_counts)
@@ -250,7 +250,7 @@ def pack(pool, files, rank_file, tok, args):
 
 def write_data(args, tok, pool, files):
     tok = tok or train_tokenizer(pool, files, args)  # or --tokenizer's
-    rank_file = os.path.join(args.out, "tokenizer.tiktoken")  # each worker reads it once
+    rank_file = os.path.join(args.out, "tokenizer.tiktoken")
     pathlib.Path(rank_file).write_text(tok["ranks"])
     train_rows, val_rows, stats = pack(pool, files, rank_file, tok, args)
     if not stats["documents"] and stats["trash"]:
@@ -396,7 +396,7 @@ def download(url, path, stop=None):
                         f.write(block)
             os.replace(path + ".part", path)
             return path
-        except (requests.RequestException, OSError) as e:  # no network, DNS, refused: a long story
+        except (requests.RequestException, OSError) as e:
             cause = "connection failed" if isinstance(e, requests.ConnectionError) else str(e)[:200]
         wait = BACKOFF * 2 ** (attempt - 1)
         if attempt < RETRIES:
@@ -409,7 +409,7 @@ def download(url, path, stop=None):
 
 @contextlib.contextmanager
 def c4_downloads(out, count):
-    """Downloads the first `count` C4 shards to out/raw in turn, as the caller reads: -> futures."""
+    """Downloads C4's first `count` shards to out/raw, back to back from the start: -> futures."""
     fetcher, stop = ThreadPoolExecutor(1), threading.Event()
     path = os.path.join(out, "raw", "c4-train.{i:05d}.json.gz")
     try:

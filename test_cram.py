@@ -988,7 +988,7 @@ def test_out_folder_holds_a_run(tmp_path, data):
     (["--batch-size", "0"], "argument --batch-size: 0 is not"), (["--heads", "0"], "argument --heads: 0 is not"),
     (["--heads", "3"], "--width must be even and divide by --heads"), (["--save-every", "0"], "argument --save-every: 0.0 is not"),
     (["--eval-rows", "-1"], "argument --eval-rows: -1 is not 0 or a finite number above 0"),
-    (["--eval-every", "-5"], "argument --eval-every: -5.0 is not 0 or"),
+    (["--eval-every", "-5"], "argument --eval-every: -5.0 is not 0 or"), (["--seed", "-1"], "argument --seed: -1 is not 0 or"),
     (["--fill"], "argument --fill: expected at least one argument"),
     (["--steps", "x"], "argument --steps: invalid int value")])
 def test_flags_that_cannot_work_are_refused(flags, msg, data, tmp_path, capsys):
