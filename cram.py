@@ -461,8 +461,7 @@ class Trainer:
                  elapsed=round(state["elapsed"], 1), val_loss=loss, val_acc=acc)
 
     def log(self, line="", **record):
-        """Rank 0 prints a line, or a record as one ('step 3 | 6,144 tok | loss 4.5000 | ...')
-        that log.jsonl keeps."""
+        """Rank 0 prints a line, or a record as 'step 3 | 6,144 tok | ...' that log.jsonl keeps."""
         if self.rank == 0:
             fields = (LOG_FORMAT[k].format(v) for k, v in record.items() if k in LOG_FORMAT)
             print(line or " | ".join(fields), flush=True)

@@ -258,12 +258,13 @@ def write_data(args, tok, pool, files):
             f"{args.trash:g} tokens per character); raise --trash")
     if not train_rows or not val_rows:
         die(f"too little data for a train and a val row of {args.seq_len} tokens; give more text")
+    sources = args.input or [C4_URL.format(i=i) for i in range(args.shards)]
     meta = {"vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS), "seq_len": args.seq_len,
             "special_tokens": tok["special_tokens"], "pattern": tok["pattern"],
             "train": {"rows": train_rows}, "val": {"rows": val_rows}, "trash": args.trash,
             "filters": {k: stats[k] for k in ("bad_lines", "duplicates", "trash", "trash_chars")},
-            **{k: stats[k] for k in ("documents", "characters", "tokens")},
-            "sources": args.input or [C4_URL.format(i=i) for i in range(args.shards)]}
+            "documents": stats["documents"], "characters": stats["characters"],
+            "tokens": stats["tokens"], "sources": sources}
     with atomic(os.path.join(args.out, "meta.json"), "w") as f:  # the commit: now it is data
         json.dump(meta, f, indent=1)
     return meta
