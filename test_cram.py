@@ -1853,3 +1853,26 @@ def test_the_readmes_map_of_the_paper_gives_the_lines_of_the_code():
     for paper, said, found in rows:
         assert said == found, paper
 
+
+
+# ----------------------------------------------------------------------------- figures/plot.py
+def test_the_pictures_read_a_runs_own_files(tmp_path, data):
+    """What figures/plot.py reads (no matplotlib needed): a run's log, its budget, its GLUE
+    trials, the unigram entropy of its data, and the overlap of the budgets."""
+    sys.path.insert(0, os.path.join(HERE, "figures"))
+    import plot
+    run = str(tmp_path / "run")
+    cram.main(["--data", data, "--out", run, "--time", "3", *TINY, "--log-every", "0.5"])
+    steps, vals = plot.read_log(run)
+    assert vals[-1]["step"] == torch.load(os.path.join(run, "ckpt.pt"))["step"] > steps[0]["step"]
+    assert round(steps[-1]["elapsed"] + steps[-1]["left"]) == 3  # a record's budget: --time
+    meta, _, rows = prepare.read_prepared(data)
+    counts = np.bincount(rows["train"].ravel())[:min(meta["special_tokens"].values())]
+    p = counts[counts > 0] / counts.sum()  # the ordinary tokens: a special is never masked
+    assert plot.unigram_entropy(data) == pytest.approx(-(p * np.log(p)).sum())
+    assert plot.sts_trials(os.path.join(run, "glue.json")) == []
+    (tmp_path / "glue.json").write_text(json.dumps({"results": {"STS-B": {"trials": [
+        {"pearson": 17.5}, {"pearson": 20.0}]}}}))
+    assert plot.sts_trials(str(tmp_path / "glue.json")) == [17.5, 20.0]
+    assert plot.overlap({1: [17, 19], 3: [18, 20]}) == 0.75
+    assert plot.overlap({1: [17], 3: [18], 10: [16]}) == 1 / 3
