@@ -27,7 +27,8 @@ LESSONS = {
     "sparse prediction": ("elapsed", {"sparse": "t_base", "every position": "t_dense"}),
     "gated MLP": ("elapsed", {"gated": "t_base", "plain": "t_plain"}),
 }
-SEEDS = ["_s0", "_s1"]
+SEEDS = ["_s0", "_s1"]  # drawn solid and dashed
+RECIPE = ["base", "t_base"]  # the recipe's runs: blue in every panel
 
 
 def read_log(run):
@@ -55,12 +56,12 @@ def score_at_25(run, data):
     return cram.evaluate(model, rows["val"], meta["special_tokens"], 64, torch.device("cpu"))
 
 
-def draw_run(ax, run, entropy, label="", color=None, x="elapsed"):
+def draw_run(ax, run, entropy, label="", color=None, x="elapsed", style="-"):
     """Training loss (thin) and validation loss (dots) of one run, against seconds or steps."""
     steps, vals = read_log(run)
     scale = 60 if x == "minutes" else 1
     key = "elapsed" if x == "minutes" else x
-    line, = ax.plot([r[key] / scale for r in steps], [r["loss"] for r in steps], lw=0.8,
+    line, = ax.plot([r[key] / scale for r in steps], [r["loss"] for r in steps], style, lw=0.8,
                     color=color, label=label, alpha=0.7)
     ax.plot([r[key] / scale for r in vals], [r["val_loss"] for r in vals], "o",
             color=line.get_color(), ms=3)
@@ -76,6 +77,7 @@ def plot_runs(args):
     for run in args.runs:
         last = draw_run(ax, run, entropy, label=os.path.basename(run.rstrip("/")), x="minutes")
         print(f"{run}: last validation loss {last}")
+    ax.plot([], [], "o", color="gray", ms=3, label="validation (the curves: training, as logged)")
     ax.text(0, entropy, f" unigram entropy {entropy:.3f}: no context", va="bottom", fontsize=8)
     ax.set(xlabel="minutes", ylabel="masked-LM loss (nats)", ylim=(None, entropy + 0.6))
     ax.legend(fontsize=8)
@@ -87,20 +89,23 @@ def plot_lessons(args):
     fig, axes = plt.subplots(2, 4, figsize=(16, 7))
     entropy = unigram_entropy(args.data)
     for ax, (lesson, (x, variants)) in zip(axes.flat, LESSONS.items()):
+        others = iter(range(1, 10))
         for i, (label, name) in enumerate(variants.items()):
             runs = [os.path.join(args.folder, name + seed) for seed in SEEDS]
-            if x == "rate":  # each rate validates on its own task: score all on the 25% masks
+            color = "C0" if name in RECIPE else f"C{next(others)}"
+            if x == "rate":  # each rate validates on its own task: score the end on 25% masks
                 losses = [score_at_25(run, args.data)[0] for run in runs]
-                ax.plot([i, i], losses, "o", color=f"C{i}")
+                ax.plot([i, i], losses, "o", color=color)
                 print(f"{lesson}: {label}: {losses}")
                 continue
             for run, style in zip(runs, ["-", "--"]):
-                last = draw_run(ax, run, None, label if style == "-" else "", f"C{i}", x)
+                last = draw_run(ax, run, None, label if style == "-" else "", color, x, style)
                 print(f"{lesson}: {label}: {run}: validation {last}, {read_log(run)[0][-1]}")
         if x == "rate":
             ax.set_xticks(range(len(variants)), list(variants))
         ax.axhline(entropy, color="gray", ls="--", lw=0.8)
-        ax.set(title=lesson, xlabel={"step": "steps", "elapsed": "seconds", "rate": "masked"}[x],
+        ax.set(title=lesson, xlabel={"step": "steps", "elapsed": "seconds",
+                                     "rate": "masked in training (dots: the end)"}[x],
                ylim=(4.2, 6.8))
         if x != "rate":
             ax.legend(fontsize=8)
