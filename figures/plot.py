@@ -56,7 +56,7 @@ def score_at_25(run, data):
     return cram.evaluate(model, rows["val"], meta["special_tokens"], 64, torch.device("cpu"))
 
 
-def draw_run(ax, run, entropy, label="", color=None, x="elapsed", style="-"):
+def draw_run(ax, run, label="", color=None, x="elapsed", style="-"):
     """Training loss (thin) and validation loss (dots) of one run, against seconds or steps."""
     steps, vals = read_log(run)
     scale = 60 if x == "minutes" else 1
@@ -65,8 +65,6 @@ def draw_run(ax, run, entropy, label="", color=None, x="elapsed", style="-"):
                     color=color, label=label, alpha=0.7)
     ax.plot([r[key] / scale for r in vals], [r["val_loss"] for r in vals], "o",
             color=line.get_color(), ms=3)
-    if entropy:
-        ax.axhline(entropy, color="gray", ls="--", lw=0.8)
     return vals[-1]["val_loss"] if vals else None
 
 
@@ -75,9 +73,10 @@ def plot_runs(args):
     fig, ax = plt.subplots(figsize=(6, 3.6))
     entropy = unigram_entropy(args.data)
     for run in args.runs:
-        last = draw_run(ax, run, entropy, label=os.path.basename(run.rstrip("/")), x="minutes")
+        last = draw_run(ax, run, label=os.path.basename(run.rstrip("/")), x="minutes")
         print(f"{run}: last validation loss {last}")
     ax.plot([], [], "o", color="gray", ms=3, label="validation (the curves: training, as logged)")
+    ax.axhline(entropy, color="gray", ls="--", lw=0.8)
     ax.text(0, entropy, f" unigram entropy {entropy:.3f}: no context", va="bottom", fontsize=8)
     ax.set(xlabel="minutes", ylabel="masked-LM loss (nats)", ylim=(None, entropy + 0.6))
     ax.legend(fontsize=8)
@@ -99,7 +98,7 @@ def plot_lessons(args):
                 print(f"{lesson}: {label}: {losses}")
                 continue
             for run, style in zip(runs, ["-", "--"]):
-                last = draw_run(ax, run, None, label if style == "-" else "", color, x, style)
+                last = draw_run(ax, run, label if style == "-" else "", color, x, style)
                 print(f"{lesson}: {label}: {run}: validation {last}, {read_log(run)[0][-1]}")
         if x == "rate":
             ax.set_xticks(range(len(variants)), list(variants))
