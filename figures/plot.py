@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cram  # noqa: E402  (the scripts beside this folder)
 from prepare import read_prepared  # noqa: E402
 
-# each lesson: a panel of run names (folder name + _s0, _s1), its x axis, what the runs differ in
+# each lesson, a panel: its x axis, and its variants as {label: run name} (folders name_s0, name_s1)
 LESSONS = {
     "learning-rate schedule": ("step", {"triangle": "base", "no warm-up": "nowarmup",
                                         "no cool-down": "nocooldown", "constant": "constant"}),
