@@ -275,6 +275,12 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
+def damaged(path, error, fix=""):
+    """A damaged input file, of any kind, is one line: the file, the error's first line, the fix."""
+    first = str(error).strip().split("\n")[0][:120]
+    die(f"{path}: damaged or unreadable ({type(error).__name__}: {first}){fix}")
+
+
 def above_zero(kind, or_zero=False):
     """An argparse type: a finite number above 0 (or_zero: or 0), or argparse's error ('argument
     --lr: nan is not a finite number above 0'), not a run gone wrong (--time -1 never ends)."""
@@ -289,7 +295,8 @@ def above_zero(kind, or_zero=False):
 
 
 def entry(main):
-    """Each script's one handler: Ctrl-C exits with 130, an OS error is one line naming the file."""
+    """Each script's one handler: Ctrl-C exits with 130; an OS error on a named file (a missing
+    --data, a full disk) is one line naming it; any other error keeps its traceback."""
     @functools.wraps(main)
     def guarded(argv=None):
         try:
@@ -298,7 +305,9 @@ def entry(main):
             print("error: interrupted", file=sys.stderr, flush=True)
             raise SystemExit(130)
         except OSError as e:
-            die(f"{e.filename or 'I/O'}: {e.strerror or e}")
+            if not e.filename:  # not a file the script opened: a bug, or the machine's
+                raise
+            die(f"{e.filename}: {e.strerror or e}")
     return guarded
 
 
