@@ -4,13 +4,13 @@
     python cram.py --preset tiny --time 600      # the CPU demo (see the README)
     python cram.py --fill "the capital of france is [MASK]."    # ask the trained model
     torchrun --nproc_per_node 8 cram.py ...      # several GPUs (DDP)"""
-import argparse, datetime, json, math, os, re, signal, time
+import argparse, datetime, json, math, os, signal, time
 from dataclasses import asdict, dataclass
 
 import numpy as np, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
 
-from prepare import SEQ_LEN, VOCAB_SIZE, Progress, above_zero, atomic, die, entry, load_tokenizer
-from prepare import normalize, read_prepared
+from prepare import SEQ_LEN, VOCAB_SIZE, Progress, above_zero, atomic, damaged, die, entry
+from prepare import load_tokenizer, normalize, read_prepared
 
 # ----------------------------------------------------------------------------- the recipe
 BUDGET = 86400          # seconds: one day on one GPU, compilation included
@@ -31,19 +31,16 @@ MASK_AS_RANDOM = 0.1    # ... 10% a random token, and the other 10% keep their o
 INIT_STD = 0.02         # normal init of every linear and embedding weight, as in v2
 LN_EPS = 1e-12          # LayerNorm epsilon of the official model
 PRESETS = {"crammed": dict(layers=16, width=768, heads=12, ffn=3072, micro_batch=MICRO_BATCH,
-                           batch_size=BATCH_SIZE, lr=LR, alibi=0.0),  # BERT-base's size
+                           batch_size=BATCH_SIZE, lr=LR, alibi=0.0),  # BERT-base's width
            # the CPU demo: many small, fast steps, and ALiBi's locality for free (the README)
            "tiny": dict(layers=2, width=128, heads=2, ffn=512, micro_batch=16, batch_size=16,
                         lr=6e-3, alibi=1.0)}
 GPU_MICRO_BATCH = {40: 512, 20: 256, 0: MICRO_BATCH}  # GB of GPU memory -> the micro-batch
-GPU_PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12,
-                  "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A6000": 155e12,
-                  "RTX 4090": 165e12, "RTX 3090": 71e12}  # MFU's: dense bf16, the datasheets
+PEAK = 989e12           # MFU's denominator on every GPU: the H100's (and H200's) dense bf16 FLOP/s
 EVAL_SEED = 1234        # held-out masks are fixed, so that evaluations compare
 SAVE_TIMEOUT = 3600     # seconds DDP ranks wait for rank 0 to save or evaluate (NCCL's: 600)
 RUN_SETTINGS = [*PRESETS["crammed"], "time", "steps", "seed"]  # a run's own: --resume keeps them
 RESUME_MAY_CHANGE = ["micro_batch", "lr"]  # after out of memory, or a gradient not finite
-GPU_FAULTS = ["CUDA error", "cuDNN error", "NCCL"]  # a lost GPU or collective: their texts
 
 
 # ----------------------------------------------------------------------------- the model
@@ -222,6 +219,11 @@ def ramp(used, batch_size, micro):
     return max(1, round(batch_size / micro * min(1.0, used / RAMP_END)))
 
 
+def budget_used(step, elapsed, args):
+    """The fraction of the budget used: of --steps, or of --time's seconds."""
+    return step / args.steps if args.steps else elapsed / args.time
+
+
 class Batches:
     """Rows in a seeded uniform order, a new permutation every epoch (v2: a sentence-length
     curriculum); (epoch, pos) is all the state. Rank r reads micro-batch r of every `world`."""
@@ -263,6 +265,14 @@ def evaluate(model, rows, specials, micro, device):
     return loss_sum / inputs["labels"].numel(), right / inputs["labels"].numel()
 
 
+def validate(model, val, specials, micro, device, logf, state):
+    """Rank 0 (logf open) logs the held-out loss and accuracy on `val` (--eval-rows 0: none)."""
+    if logf and len(val):
+        loss, acc = evaluate(model, val, specials, micro, device)
+        log(logf, step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * val.shape[1],
+            elapsed=round(state["elapsed"], 1), val_loss=loss, val_acc=acc)
+
+
 # ----------------------------------------------------------------------------- training
 def autocast(device):
     """bf16 on the GPU: tensor-core speed, and unlike fp16 it needs no loss scaling."""
@@ -277,7 +287,7 @@ def build(c, args, device, world=1):
     decay = [p for p in raw.parameters() if p not in norms]
     rest = [p for p in raw.parameters() if p in norms]
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0}]
-    # fused on a GPU: a few kernels for all the weights; the CPU keeps torch's loop over them
+    # fused on a GPU: a few kernels for all the weights (the CPU keeps torch's plain loop)
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, fused=device.type == "cuda")
     model = raw
     if device.type == "cuda":
@@ -290,207 +300,157 @@ def build(c, args, device, world=1):
     return model, raw, opt
 
 
-class Trainer:
-    """One run: the model, AdamW, the rows and `state`; a checkpoint holds them all."""
+def train_step(model, opt, micro_batches, accum, lr):
+    """One optimizer step: the mean gradient of `accum` micro-batches, clipped -> (loss, gradient
+    norm). `micro_batches` masks each on the CPU while the GPU runs the one before. A gradient
+    that is not finite leaves the weights as they were."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss_sum = 0.0
+    for i, inputs in enumerate(micro_batches):
+        if isinstance(model, nn.parallel.DistributedDataParallel):  # all-reduce at the last only
+            model.require_backward_grad_sync = i == accum - 1
+        with autocast(inputs["idx"].device):
+            loss = model(**inputs) / accum  # we want the MEAN over micro-batches, not the SUM
+        loss.backward()
+        loss_sum += loss.detach()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step waits for the GPU here
+    if math.isfinite(norm):
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, norm
 
-    def __init__(self, args, changes, rank, world, device):
-        self.args, self.rank, self.world, self.device = args, rank, world, device
-        meta, self.tok, rows = read_prepared(args.data)
-        self.path = os.path.join(args.out, "ckpt.pt")
-        ckpt = None
-        if args.resume:
-            ckpt = load_checkpoint(self.path, meta, self.tok, "; start without --resume")
-        elif os.path.exists(self.path):
-            die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
-        os.makedirs(args.out, exist_ok=True)
-        if rank == 0:  # a new run replaces the log of one that died before its first checkpoint
-            self.logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
-        self.c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width,
-                             args.heads, args.ffn, alibi=args.alibi)
-        self.model, self.raw, self.opt = build(self.c, args, device, world)
-        self.peak, mfu_line = peak_flops(device)
-        n = sum(p.numel() for p in self.raw.parameters())
-        budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
-        last_batch = ramp(1.0, args.batch_size, args.micro_batch * world) * args.micro_batch * world
-        first = (f"crammed BERT {args.layers} x {args.width}: {n / 1e6:.1f} M parameters, "
-                 f"{flops_per_token(self.c) / 1e9:.3f} GFLOP/token | budget {budget} | peak lr "
-                 f"{args.lr} | micro-batches of {args.micro_batch} x {world}, the batch ramps "
-                 f"from {args.micro_batch * world} to {last_batch} on {device}")
-        self.log("\n".join([first, *changes, mfu_line]))
-        self.state = dict(step=0, seqs=0, elapsed=0.0)
-        self.saved = None  # the step of the checkpoint on the disk, for the faults' lines
-        self.data = Batches(rows["train"], args.micro_batch, args.seed, rank, world)
-        self.val = rows["val"][:args.eval_rows]
-        self.specials = self.tok["special_tokens"]
-        self.signals = []  # Ctrl-C and SIGTERM received: the run saves and stops at a step's end
-        if ckpt:  # the run goes on where it was saved, and saves at once: a full disk shows now
-            self.state.update({k: ckpt[k] for k in self.state})
-            self.data.epoch, self.data.pos = ckpt["data"]
-            self.raw.load_state_dict(ckpt["model"])
-            self.opt.load_state_dict(ckpt["optimizer"])
-            self.log(f"resumed at step {self.state['step']} with the run's own settings")
-            if self.used(self.state["elapsed"]) >= 1:
-                self.log("the run is finished: its budget is spent; a longer one is a new run")
-            self.save()
 
-    def train(self):
-        """The loop and the checkpoint, or a fault's line; then, Ctrl-C the caller's, validation."""
-        caller = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            self.loop()
-            self.save()
-        except torch.cuda.OutOfMemoryError:
-            self.fault("out of memory", f"--micro-batch {max(1, self.args.micro_batch // 2)}")
-        except RuntimeError as e:
-            if not any(text in str(e) for text in GPU_FAULTS):
-                raise
-            self.fault(f"the GPU failed ({str(e).splitlines()[0][:80]})", "on a healthy GPU")
-        finally:
-            for s, handler in caller.items():
-                signal.signal(s, handler)
-        if self.world > 1:  # no rank leaves before rank 0's checkpoint is on the disk
-            dist.barrier()
-            dist.destroy_process_group()
-        if self.signals:
-            self.log(f"stopped by signal {self.signals[0]} at step {self.state['step']}: "
-                     f"{self.path} saved; continue with --resume")
-            raise SystemExit(128 + self.signals[0])
-        self.validate()
-        self.log(f"done in {self.state['elapsed']:.0f}s: {self.state['step']} steps, "
-                 f"{self.state['seqs'] * self.c.seq_len:,} tokens; {self.path}")
-        return self.raw
+def train(args, changes, rank, world, device):
+    """The run, in nanoGPT's order: build it (or take back a resumed one), then loop: read the
+    clock, stop when the budget is spent, validate and save when due, set the lr and the batch,
+    run one optimizer step, log it. -> the trained model."""
+    meta, tok, rows = read_prepared(args.data)
+    path = os.path.join(args.out, "ckpt.pt")
+    if os.path.exists(path) and not args.resume:
+        die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
+    os.makedirs(args.out, exist_ok=True)
+    logf = None  # rank 0's log.jsonl: a new run replaces the log of one that died before a save
+    if rank == 0:
+        logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
+    c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width, args.heads,
+                    args.ffn, alibi=args.alibi)
+    model, raw, opt = build(c, args, device, world)
+    data = Batches(rows["train"], args.micro_batch, args.seed, rank, world)
+    val, specials = rows["val"][:args.eval_rows], tok["special_tokens"]
+    # the checkpoint holds `state`, the weights and AdamW's moments
+    state = dict(format="cram-ckpt-1", model_config=asdict(c), tokenizer=tok, args=vars(args),
+                 step=0, seqs=0, elapsed=0.0, data=[0, 0])
+    saved = None  # the step of the checkpoint on the disk, for a fault's line
+    if args.resume:  # on where it was saved: the same weights, moments, rows and masks
+        ckpt = load_checkpoint(path, meta, tok, "; start without --resume")
+        state.update({k: ckpt[k] for k in ("step", "seqs", "elapsed", "data")})
+        data.epoch, data.pos = ckpt["data"]
+        raw.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        saved = save(path, state, raw, opt, rank)  # at once: a full disk or a locked folder shows now
+    n = sum(p.numel() for p in raw.parameters())
+    budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
+    last_batch = ramp(1.0, args.batch_size, args.micro_batch * world) * args.micro_batch * world
+    log(logf, f"crammed BERT {args.layers} x {args.width}: {n / 1e6:.1f} M parameters, "
+              f"{flops_per_token(c) / 1e9:.3f} GFLOP/token | budget {budget} | peak lr {args.lr} "
+              f"| micro-batches of {args.micro_batch} x {world}, the batch ramps from "
+              f"{args.micro_batch * world} to {last_batch} on {device}")
+    for line in changes:
+        log(logf, line)
+    if device.type == "cpu" and c == ModelConfig(c.vocab_size, c.seq_len):
+        log(logf, "the paper's model on a CPU: a step takes minutes; the CPU demo learns in "
+                  "minutes: --preset tiny (the README)")
+    if args.resume:
+        log(logf, f"resumed at step {state['step']} with the run's own settings")
+        if budget_used(state["step"], state["elapsed"], args) >= 1:
+            log(logf, "the run is finished: its budget is spent; a longer one is a new run")
 
-    def loop(self):
-        """nanoGPT's order: clock, stop?, validate and save if due, lr and batch, the step, log."""
-        args, state = self.args, self.state
-        start = time.monotonic() - state["elapsed"]  # a resumed run goes on from its own time
-        due = dict(log=state["elapsed"], eval=state["elapsed"] + args.eval_every,
-                   save=state["elapsed"] + args.save_every)
-        window = dict(seconds=0.0, seqs=0, losses=[])  # the steps since the last log line
-        compiling = self.device.type == "cuda" and not args.no_compile
+    signals = []  # Ctrl-C and SIGTERM received: the run saves and stops at the end of a step
+
+    def on_signal(signum, frame):  # said at once: a CPU step of the paper's model is slow
+        print(f"signal {signum}: the run stops at the end of a step and saves", flush=True)
+        signals.append(signum)
+    caller = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    start = time.monotonic() - state["elapsed"]  # a resumed run goes on from its own time
+    next_log = state["elapsed"]
+    next_eval = state["elapsed"] + args.eval_every
+    next_save = state["elapsed"] + args.save_every
+    losses, seconds, seqs = [], 0.0, 0  # of the steps since the last log line
+    compiling = device.type == "cuda" and not args.no_compile  # the first step compiles
+    try:
         while True:
-            now, signals = self.shared_clock(start)
+            # the clock and the signals, each the largest of the ranks': ranks that disagreed on
+            # the budget used would choose other batches and hang DDP
+            clock = torch.tensor([time.monotonic() - start, len(signals)], dtype=torch.float64)
+            if world > 1:
+                clock = clock.to(device)
+                dist.all_reduce(clock, dist.ReduceOp.MAX)
+            now, stopped = clock.tolist()
             state["elapsed"] = now
-            used = self.used(now)
-            if signals or used >= 1:
-                return
-            if args.eval_every and state["step"] and self.is_due(due, "eval", now):
-                self.validate()
-            if state["step"] and self.is_due(due, "save", now):
-                self.save()
+            used = budget_used(state["step"], now, args)
+            if stopped or used >= 1:
+                break
+            if args.eval_every and state["step"] and now >= next_eval:
+                validate(raw, val, specials, args.micro_batch, device, logf, state)
+                next_eval = now + args.eval_every
+            if state["step"] and now >= next_save:
+                saved = save(path, state, raw, opt, rank)
+                next_save = now + args.save_every
             lr = schedule(used, args.lr)
-            accum = ramp(used, args.batch_size, args.micro_batch * self.world)
-            batch = accum * args.micro_batch * self.world
+            accum = ramp(used, args.batch_size, args.micro_batch * world)
+            batch = accum * args.micro_batch * world
+            seeds = (hash((args.seed, rank, state["step"], i)) for i in range(accum))  # resumable
+            micro_batches = (masked(next(data), specials, seed, device) for seed in seeds)
             t = time.monotonic()
-            window["losses"].append(self.train_step(lr, accum))
-            window["seconds"] += time.monotonic() - t  # the rate's own timer: no saves in it
-            window["seqs"] += batch
+            loss, norm = train_step(model, opt, micro_batches, accum, lr)
+            seconds += time.monotonic() - t  # the rate's own timer: no saves, no validations
+            state["data"] = [data.epoch, data.pos]
+            if not math.isfinite(norm):  # the weights have not seen it: save them, skip its rows
+                saved = save(path, state, raw, opt, rank)
+                if world > 1:  # no rank leaves before rank 0's checkpoint is on the disk
+                    dist.barrier()
+                die(f"gradient not finite at step {state['step'] + 1}; "
+                    f"{go_on(path, saved, f'--lr {args.lr / 2:g}')}")
             state["step"] += 1
             state["seqs"] += batch
-            if self.is_due(due, "log", now):
-                self.log_steps(lr, batch, window, compiling, time.monotonic() - start)
-                window = dict(seconds=0.0, seqs=0, losses=[])
-                compiling = False
-
-    def used(self, now):
-        """The fraction of the budget used: of --steps, or of --time's seconds."""
-        return self.state["step"] / self.args.steps if self.args.steps else now / self.args.time
-
-    def is_due(self, due, what, now):
-        """Whether `what` (log, eval, save) is due at `now`; if so, next --{what}-every later."""
-        if now < due[what]:
-            return False
-        due[what] = now + vars(self.args)[f"{what}_every"]
-        return True
-
-    def shared_clock(self, start):
-        """(seconds since the run's start, signals received), each the largest of the ranks'. Ranks
-        that disagreed on the budget used would pick different accumulation counts and hang DDP."""
-        clock = torch.tensor([time.monotonic() - start, len(self.signals)], dtype=torch.float64)
-        if self.world > 1:
-            clock = clock.to(self.device)
-            dist.all_reduce(clock, dist.ReduceOp.MAX)
-        return clock.tolist()
-
-    def train_step(self, lr, accum):
-        """One optimizer step of `accum` micro-batches: their mean gradient, clipped -> the loss."""
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=self.device)
-        for i in range(accum):  # on a GPU, the CPU masks micro-batch i + 1 while the GPU works on i
-            seed = hash((self.args.seed, self.rank, self.state["step"], i))  # resumable masks
-            inputs = masked(next(self.data), self.specials, seed, self.device)
-            if self.world > 1:  # DDP: all-reduce the gradients once, after the last micro-batch
-                self.model.require_backward_grad_sync = i == accum - 1
-            with autocast(self.device):
-                loss = self.model(**inputs) / accum  # we want the MEAN over micro-batches, not SUM
-            loss.backward()
-            loss_sum += loss.detach()
-        norm = nn.utils.clip_grad_norm_(self.raw.parameters(), CLIP)
-        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step waits for the GPU here
-        if not math.isfinite(norm):  # the weights have not seen it: save them, skip these rows
-            self.save()
-            self.fault("gradient not finite", f"--lr {self.args.lr / 2:g}")
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss
-
-    def log_steps(self, lr, batch, window, compiling, elapsed):
-        """The log line of the steps since the last one (the last step's lr and batch)."""
-        args, state, T = self.args, self.state, self.c.seq_len
-        record = dict(step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * T,
-                      loss=sum(window["losses"]) / len(window["losses"]), lr=lr, batch=batch)
-        if compiling:  # the first step compiles the model: its rate would count the compilation
-            record["compiled"] = round(window["seconds"], 1)
-        else:
-            tok_s = window["seqs"] * T / window["seconds"]
-            record["tok_s"] = round(tok_s)
-            record["mfu"] = flops_per_token(self.c) * tok_s / self.world / self.peak  # per GPU
-        record["elapsed"] = round(elapsed, 1)
-        left = (args.steps / state["step"] - 1) * elapsed if args.steps else args.time - elapsed
-        record["left"] = max(0.0, left)
-        self.log(**record)
-
-    def validate(self):
-        """Held-out masked-LM loss and accuracy on --eval-rows rows of val.bin, logged (rank 0)."""
-        if self.rank != 0 or not len(self.val):  # --eval-rows 0
-            return
-        loss, acc = evaluate(self.raw, self.val, self.specials, self.args.micro_batch, self.device)
-        state = self.state
-        self.log(step=state["step"], seqs=state["seqs"], tokens=state["seqs"] * self.c.seq_len,
-                 elapsed=round(state["elapsed"], 1), val_loss=loss, val_acc=acc)
-
-    def log(self, line="", **record):
-        """Rank 0 prints a line, or a record as 'step 3 | 6,144 tok | ...' that log.jsonl keeps."""
-        if self.rank == 0:
-            fields = (LOG_FORMAT[k].format(v) for k, v in record.items() if k in LOG_FORMAT)
-            print(line or " | ".join(fields), flush=True)
-            if record:
-                print(json.dumps(record), file=self.logf, flush=True)
-
-    def on_signal(self, signum, frame):  # said at once: a CPU step of the paper's model is slow
-        print(f"signal {signum}: the run stops at the end of a step and saves", flush=True)
-        self.signals.append(signum)
-
-    def fault(self, what, change):
-        """A fault ends the run in one line: what, at which step, what was kept, how to go on."""
-        go_on = f"{self.path} holds step {self.saved}: continue: the same command --resume"
-        if self.saved is None:
-            go_on = "nothing was saved yet: start again: the same command"
-        die(f"{what} at step {self.state['step'] + 1}; {go_on} {change}")
-
-    def save(self):
-        """Rank 0 writes the checkpoint atomically: a crash or a full disk leaves the last one."""
-        if self.rank == 0:
-            ckpt = {"format": "cram-ckpt-1", "model_config": asdict(self.c), "tokenizer": self.tok,
-                    "model": self.raw.state_dict(), "optimizer": self.opt.state_dict(),
-                    "args": vars(self.args), **self.state, "data": [self.data.epoch, self.data.pos]}
-            try:
-                with atomic(self.path) as f:
-                    torch.save(ckpt, f)
-            except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
-                die(f"{self.path}: cannot save ({str(e)[:60]}); the last checkpoint is intact")
-        self.saved = self.state["step"]
+            losses.append(loss)
+            seqs += batch
+            if now >= next_log:  # the steps since the last line: their mean loss, their rate
+                record = dict(step=state["step"], seqs=state["seqs"],
+                              tokens=state["seqs"] * c.seq_len, loss=sum(losses) / len(losses),
+                              lr=lr, batch=batch)
+                if compiling:  # the first step's time is mostly compiling: no rate from it
+                    record["compiled"] = round(seconds, 1)
+                else:
+                    record["tok_s"] = round(seqs * c.seq_len / seconds)
+                    record["mfu"] = flops_per_token(c) * seqs * c.seq_len / seconds / world / PEAK
+                elapsed = time.monotonic() - start
+                left = args.time - elapsed
+                if args.steps:
+                    left = (args.steps / state["step"] - 1) * elapsed
+                log(logf, **record, elapsed=round(elapsed, 1), left=max(0.0, left))
+                next_log = now + args.log_every
+                losses, seconds, seqs, compiling = [], 0.0, 0, False
+        saved = save(path, state, raw, opt, rank)
+    except torch.cuda.OutOfMemoryError:  # the step may have half-run: nothing saved now
+        die(f"out of memory at step {state['step'] + 1}; "
+            f"{go_on(path, saved, f'--micro-batch {max(1, args.micro_batch // 2)}')}")
+    finally:
+        for s, handler in caller.items():
+            signal.signal(s, handler)
+    if world > 1:  # no rank leaves before rank 0's checkpoint is on the disk
+        dist.barrier()
+        dist.destroy_process_group()
+    if signals:
+        log(logf, f"stopped by signal {signals[0]} at step {state['step']}: {path} saved; "
+                  f"continue with --resume")
+        raise SystemExit(128 + signals[0])
+    validate(raw, val, specials, args.micro_batch, device, logf, state)
+    log(logf, f"done in {state['elapsed']:.0f}s: {state['step']} steps, "
+              f"{state['seqs'] * c.seq_len:,} tokens; {path}")
+    return raw
 
 
 # ----------------------------------------------------------------------------- asking the model
@@ -523,24 +483,34 @@ def fill(args, device):
 
 
 # ----------------------------------------------------------------------------- plumbing
-def paper_micro_batch(first):
-    """The paper's micro-batch: the most the GPU holds, at most RAMP_FIRST of the batch (README)."""
-    size = MICRO_BATCH
-    device = pick_device(first.device)
-    if device.type == "cuda":
-        gb = torch.cuda.get_device_properties(device).total_memory / 1e9
-        size = next(size for least_gb, size in GPU_MICRO_BATCH.items() if gb >= least_gb)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    return min(size, max(1, int(first.batch_size * RAMP_FIRST) // world))
+def save(path, state, model, opt, rank):
+    """Rank 0 writes the checkpoint atomically: a crash or a full disk leaves the last one whole.
+    -> the step on the disk, which every rank keeps for a fault's line."""
+    if rank == 0:
+        ckpt = {**state, "model": model.state_dict(), "optimizer": opt.state_dict()}
+        try:
+            with atomic(path) as f:
+                torch.save(ckpt, f)
+        except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
+            die(f"{path}: cannot save ({str(e)[:60]}); the last checkpoint is intact")
+    return state["step"]
 
 
-def peak_flops(device):
-    """MFU's denominator, the GPU's dense bf16 peak -> (FLOP/s, the log line that says so)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
-    for key, peak in GPU_PEAK_FLOPS.items():  # in the table's order; "A100" is not "A1000"
-        if re.search(rf"\b{key}\b", name):
-            return peak, f"MFU against the {name}'s dense bf16 peak, {peak / 1e12:.0f} TFLOP/s"
-    return GPU_PEAK_FLOPS["H100"], f"MFU against the H100's peak ({name} is not in GPU_PEAK_FLOPS)"
+def go_on(path, saved, change):
+    """After a fault: how to go on, from the checkpoint on the disk or from the start."""
+    if saved is None:
+        return f"nothing was saved yet: start again: the same command {change}"
+    return f"{path} holds step {saved}: continue: the same command --resume {change}"
+
+
+def log(logf, line="", **record):
+    """Rank 0 (logf: its log.jsonl, None on the others) prints a line, or a record as 'step 3 |
+    6,144 tok | ...' that log.jsonl keeps."""
+    if logf:
+        fields = (LOG_FORMAT[k].format(v) for k, v in record.items() if k in LOG_FORMAT)
+        print(line or " | ".join(fields), flush=True)
+        if record:
+            print(json.dumps(record), file=logf, flush=True)
 
 
 LOG_FORMAT = {"step": "step {}", "tokens": "{:,} tok", "loss": "loss {:.4f}", "lr": "lr {:.2e}",
@@ -558,7 +528,7 @@ def load_checkpoint(path, meta=None, tok=None, hint=""):
     except PermissionError:
         raise  # the file is there, but this user cannot read it: entry says so in one line
     except Exception as e:  # torch raises many kinds for a damaged file
-        die(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__}: {str(e)[:120]})")
+        damaged(path, e)
     if not isinstance(ckpt, dict) or ckpt.get("format") != "cram-ckpt-1":
         die(f"{path}: not a cram checkpoint")
     if meta and (ckpt["tokenizer"]["ranks"] != tok["ranks"]
@@ -575,59 +545,85 @@ def load_model(ckpt, **overrides):
 
 
 def get_args(argv=None):
-    """The run's settings, all in argparse: the flags given, over defaults that are the preset's
-    (--preset is read first), or on --resume the run's own. -> (args, a resume's changes)"""
-    ap = argparse.ArgumentParser(description=__doc__, add_help=False,
+    """The run's settings in one pass: the flags given; for a run setting not given, the preset's,
+    or on --resume the run's own; a resume may change RESUME_MAY_CHANGE only. -> (args, the
+    lines that say a resume's changes)"""
+    ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
+    tiny = PRESETS["tiny"]
     arg("--data", default="data", help="folder written by prepare.py (%(default)s)")
     arg("--out", default="out", help="folder for ckpt.pt and log.jsonl (%(default)s)")
-    arg("--time", type=above_zero(float), default=BUDGET, help="(%(default)s s, compiling too)")
+    arg("--time", type=above_zero(float), help=f"budget in seconds, compiling included ({BUDGET})")
     arg("--steps", type=above_zero(int), help="budget in optimizer steps instead (reproducible)")
+    arg("--seed", type=above_zero(int, or_zero=True), help="of the init, the order, the masks (0)")
     arg("--preset", choices=PRESETS, default="crammed", help="the paper's, or tiny: the CPU demo")
-    for k in ("layers", "width", "heads", "ffn"):
-        arg(f"--{k}", type=above_zero(int), help=f"model {k} (%(default)s)")
-    arg("--micro-batch", type=above_zero(int), help="sequences per forward pass (%(default)s)")
-    arg("--batch-size", type=above_zero(int), help="sequences a step after the ramp (%(default)s)")
-    arg("--lr", type=above_zero(float), help="peak learning rate (%(default)s)")
-    arg("--seed", type=above_zero(int, or_zero=True), default=0, help="of init, order, masks (0)")
+    arg("--layers", type=above_zero(int), help="blocks (crammed 16, tiny 2)")
+    arg("--width", type=above_zero(int), help="hidden size (crammed 768, tiny 128)")
+    arg("--heads", type=above_zero(int), help="attention heads (crammed 12, tiny 2)")
+    arg("--ffn", type=above_zero(int), help="the gated MLP's inner width (crammed 3072, tiny 512)")
+    arg("--micro-batch", type=above_zero(int), help="sequences per forward pass (crammed: 128 to "
+        f"512 by GPU memory, at most 1/8 of the batch; tiny {tiny['micro_batch']})")
+    arg("--batch-size", type=above_zero(int), help="sequences a step at the ramp's end (crammed "
+        f"{BATCH_SIZE}, tiny {tiny['batch_size']})")
+    arg("--lr", type=above_zero(float), help=f"peak lr (crammed {LR}, tiny {tiny['lr']})")
     arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
-    arg("--log-every", type=above_zero(float, or_zero=True), default=10, help="(%(default)s s)")
-    arg("--eval-every", type=above_zero(float, or_zero=True), default=0, help="s (0: the end only)")
-    arg("--eval-rows", type=above_zero(int, or_zero=True), default=2048, help="(%(default)s)")
-    arg("--save-every", type=above_zero(float), default=1800, help="(%(default)s s)")
+    arg("--log-every", type=above_zero(float, or_zero=True), default=10,
+        help="seconds between log lines (%(default)s; 0: every step)")
+    arg("--eval-every", type=above_zero(float, or_zero=True), default=0,
+        help="seconds between validations (0: at the end only)")
+    arg("--eval-rows", type=above_zero(int, or_zero=True), default=2048,
+        help="held-out rows a validation reads: their masks are fixed (%(default)s)")
+    arg("--save-every", type=above_zero(float), default=1800,
+        help="seconds between checkpoints: what a lost GPU can cost (%(default)s)")
     arg("--resume", action="store_true", help="go on with OUT/ckpt.pt (see RESUME_MAY_CHANGE)")
     arg("--fill", nargs="+", metavar="TEXT", help="OUT/ckpt.pt's top 5 for each [MASK] of TEXT")
-    ap.set_defaults(**PRESETS["crammed"])
-    first = ap.parse_known_args(argv)[0]  # the flags that choose the defaults
-    run = {}
-    if first.resume:
-        run = load_checkpoint(os.path.join(first.out, "ckpt.pt"), hint="; start without --resume")
-        ap.set_defaults(**{k: run["args"][k] for k in RUN_SETTINGS})
-    else:
-        ap.set_defaults(**PRESETS[first.preset])
-    if first.preset == "crammed" and not first.resume:
-        ap.set_defaults(micro_batch=paper_micro_batch(first))
-    ap.add_argument("-h", "--help", action="help", help="show this, with the run's defaults, exit")
     args = ap.parse_args(argv)
+    if args.resume:
+        run = load_checkpoint(os.path.join(args.out, "ckpt.pt"), hint="; start without --resume")
+        run = run["args"]
+    else:
+        run = dict(PRESETS[args.preset], time=BUDGET, steps=None, seed=0)
+        if args.preset == "crammed":
+            run["micro_batch"] = paper_micro_batch(args.batch_size or BATCH_SIZE, args.device)
+    changes = []
+    for k in RUN_SETTINGS:
+        flag, given = f"--{k.replace('_', '-')}", getattr(args, k, None)
+        if given is None:
+            setattr(args, k, run[k])
+        elif args.resume and given != run[k]:
+            if k not in RESUME_MAY_CHANGE:
+                ap.error(f"{flag} {given}: --resume keeps the run's own {run[k]}; other budgets, "
+                         f"models, seeds, batches: a new --out")
+            changes.append(f"{flag} {given} replaces the run's own {run[k]}")
     if args.width % args.heads or args.width % 2 or args.ffn % 2:
         ap.error("--width must be even and divide by --heads, and --ffn be even")
     if args.batch_size < args.micro_batch:
         ap.error("--batch-size must be at least --micro-batch")
-    changes = [k for k in RUN_SETTINGS if run and vars(args)[k] != run["args"][k]]
-    for k in changes:
-        if k not in RESUME_MAY_CHANGE:
-            ap.error(f"--{k.replace('_', '-')} {vars(args)[k]}: --resume keeps the run's own "
-                     f"{run['args'][k]}; other budgets, models, seeds, batches: a new --out")
-    return args, [f"--{k.replace('_', '-')} {vars(args)[k]} replaces the run's own "
-                  f"{run['args'][k]}" for k in changes]
+    return args, changes
+
+
+def paper_micro_batch(batch_size, device_name):
+    """The crammed preset's micro-batch by the GPU's memory (GPU_MICRO_BATCH: 512 from 40 GB, 256
+    from 20, else v2's 128), at most RAMP_FIRST of the batch over all the GPUs."""
+    size = MICRO_BATCH
+    device = pick_device(device_name)
+    if device.type == "cuda":
+        gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+        size = next(size for least_gb, size in GPU_MICRO_BATCH.items() if gb >= least_gb)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return min(size, max(1, int(batch_size * RAMP_FIRST) // world))
 
 
 def pick_device(name):
-    """--device, or cuda where there is one; one that this machine lacks (cuda:1?) is one line."""
+    """--device, or cuda where there is one; under torchrun each rank takes its own GPU before
+    anything touches CUDA (else every rank opens a context on GPU 0). A missing one: one line."""
     try:
         device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
         torch.empty(0, device=device)  # raises where the device is not there
     except (RuntimeError, AssertionError):  # AssertionError: a torch built without CUDA
         die(f"--device {name}: not a device of this machine (it has the CPU and "
@@ -636,13 +632,10 @@ def pick_device(name):
 
 
 def setup(args):
-    """(rank, world, device): under torchrun each process takes its own GPU and joins the group."""
+    """(rank, world, device): under torchrun each process joins the group, on its own GPU."""
     device = pick_device(args.device)
     if "RANK" not in os.environ:
         return 0, 1, device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=SAVE_TIMEOUT))
     return dist.get_rank(), dist.get_world_size(), device
@@ -654,7 +647,7 @@ def main(argv=None):
     rank, world, device = setup(args)
     if args.fill:
         return fill(args, device)
-    return Trainer(args, changes, rank, world, device).train()
+    return train(args, changes, rank, world, device)
 
 
 if __name__ == "__main__":
