@@ -119,7 +119,7 @@ class Classifier(nn.Module):
 
 def bucket(rows, pad, multiple):
     """Rows cut on the CPU to the longest, rounded up to a multiple: 5 and 40 tokens -> 64 at 32,
-    so a compiled model meets 4 lengths. Outputs equal: [PAD] only at the end, no token sees it."""
+    so a compiled model meets 4 lengths; 40 at 1, eager. Outputs equal: [PAD] only at the end."""
     longest = int((rows != pad).sum(1).max())
     return rows[:, :min(math.ceil(longest / multiple) * multiple, rows.size(1))]
 
@@ -131,7 +131,15 @@ def learning_rate(step, total, peak):
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 
-def finetune(ckpt, task, train, devs, args, trial, device):
+class Run:
+    """What lasts from trial to trial: a classifier per head size, and the run's progress."""
+
+    def __init__(self, examples, compile):
+        self.compile, self.kept, self.done = compile, {}, 0
+        self.progress = Progress("fine-tuning", examples, "ex")
+
+
+def finetune(ckpt, task, train, devs, args, trial, device, run):
     """Fine-tune a fresh copy of the checkpoint on one task; {dev split: {metric: value}}."""
     torch.manual_seed(args.seed + trial)  # the model's head, dropout and the order of examples
     labels = TASKS[task].labels
@@ -139,33 +147,39 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     encoder = load_model(ckpt, dropout=DROPOUT)
     if args.random_init:
         encoder = Crammed(encoder.config)
-    model = Classifier(encoder, 1 if labels is None else len(labels), pad, args.pool).to(device)
+    n_out = 1 if labels is None else len(labels)
+    fresh = Classifier(encoder, n_out, pad, args.pool)
+    if n_out not in run.kept:  # the run's first head of this size: kept, and compiled once
+        compiled = torch.compile(fresh, dynamic=False, fullgraph=True) if run.compile else None
+        run.kept[n_out] = fresh.to(device), compiled
+    model, compiled = run.kept[n_out]
+    model.load_state_dict(fresh.state_dict())  # into the same tensors: the graphs stay valid
+    model.train()  # the last trial left it in eval mode
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, fused=True,
                             weight_decay=WEIGHT_DECAY)  # fused: torch has it on CPUs too
-    step_model, multiple = model, 1  # eager: cut to the longest row; padding only costs time
-    if device.type == "cuda" and not args.no_compile:
-        torch._dynamo.reset()  # dynamo compiles 8 graphs at most: a run's 4 lengths and last fit
-        step_model, multiple = torch.compile(model, dynamic=False, fullgraph=True), BUCKET
     ids, ys = train
     order = torch.cat([torch.randperm(len(ids)) for _ in range(args.epochs)])
     steps = math.ceil(len(order) / args.batch_size)
-    progress = Progress(f"{task} trial {trial + 1}/{args.trials}", len(order), "ex")
     for step, picked in enumerate(order.split(args.batch_size)):
         opt.param_groups[0]["lr"] = learning_rate(step, steps, args.lr)
         y = to_device(ys[picked], device)
+        eager = compiled is None or len(picked) < args.batch_size  # the last batch: no new graph
+        step_model, multiple = (model, 1) if eager else (compiled, BUCKET)  # eager: no padding
         with autocast(device):
             out = step_model(to_device(bucket(ids[picked], pad, multiple), device))
         loss = F.mse_loss(out[:, 0], y) if labels is None else F.cross_entropy(out, y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        done = min((step + 1) * args.batch_size, len(order))  # .item() waits: only when printed
-        progress(done, lambda: f" | loss {loss.item():.4f}", force=step + 1 == steps)
+        done = run.done + min((step + 1) * args.batch_size, len(order))
+        trial_loss = lambda: f" | {task} trial {trial + 1}/{args.trials}, loss {loss.item():.4f}"
+        run.progress(done, trial_loss, force=step + 1 == steps)  # .item() waits: only if printed
+    run.done += len(order)
     model.eval()
     scores = {}
     with torch.no_grad(), autocast(device):
-        for split, (dev_ids, dev_ys) in devs.items():  # v2's micro-batch of rows at a time
-            out = torch.cat([model(to_device(bucket(rows, pad, multiple), device)).cpu()
+        for split, (dev_ids, dev_ys) in devs.items():  # eager, a batch cut to its longest row
+            out = torch.cat([model(to_device(bucket(rows, pad, 1), device)).cpu()
                              for rows in dev_ids.split(MICRO_BATCH)])
             preds = out[:, 0] if labels is None else out.argmax(-1)
             scores[split] = score(task, preds.numpy(), dev_ys.numpy())
@@ -246,11 +260,17 @@ def main(argv=None):
     os.remove(out + ".tmp")
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
     seq_len = ckpt["model_config"]["seq_len"]
+    train_examples = sum(len(rows["train"][:args.max_train_samples]) for rows in data.values())
+    examples = args.trials * args.epochs * train_examples
+    print(f"fine-tuning on {examples:,} examples in all: {args.trials} trial(s) x {args.epochs} "
+          f"epochs x {train_examples:,} training examples of {len(data)} task(s)")
+    torch._dynamo.config.recompile_limit = 3 * math.ceil(seq_len / BUCKET)  # 3 head sizes x lengths
+    run = Run(examples, compile=device.type == "cuda" and not args.no_compile)
     results = {}
     for task, rows in data.items():
         train = encode(enc, specials, rows.pop("train")[:args.max_train_samples], seq_len)
         devs = {s: encode(enc, specials, r, seq_len) for s, r in rows.items()}
-        runs = [finetune(ckpt, task, train, devs, args, k, device) for k in range(args.trials)]
+        runs = [finetune(ckpt, task, train, devs, args, k, device, run) for k in range(args.trials)]
         for split in devs:
             trials = [r[split] for r in runs]
             results[split] = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}

@@ -1261,8 +1261,8 @@ def test_glue_finetune_learns_a_synthetic_task(tmp_path, capsys, one_thread, dev
     saved = json.load(open(tmp_path / "glue.json"))
     assert saved["results"]["SST-2"]["accuracy"] == res["SST-2"]["accuracy"] and saved["average"] is None
     cap = capsys.readouterr()  # progress lines go to stderr (prepare.Progress), the table to stdout
-    assert "SST-2 trial 1/1: 3,200/3,200 ex" in cap.err and "ex/s" in cap.err  # an ETA only after 5 s
-    assert "loss " in cap.err and "crammed BERT v1" in cap.out and "ckpt.pt" in cap.out
+    assert "fine-tuning: 3,200/3,200 ex" in cap.err and "ex/s | SST-2 trial 1/1, loss " in cap.err
+    assert "crammed BERT v1" in cap.out and "ckpt.pt" in cap.out
     res = glue.main(common + ["--tasks", "RTE", "--epochs", "1", "--trials", "2", "--random-init"])
     assert set(json.load(open(tmp_path / "glue-random-init.json"))["results"]["RTE"]["trials"][1]) == {"accuracy"}
     assert "random init" in capsys.readouterr().out
@@ -1275,7 +1275,7 @@ def test_glue_finetune_learns_a_synthetic_task(tmp_path, capsys, one_thread, dev
 # ----------------------------------------------------------------------------- nothing lost, no traceback
 def fake_finetune(calls):
     """Stands in for fine-tuning: a score that says which call made it."""
-    def finetune(ckpt, task, train, devs, args, trial, device):
+    def finetune(ckpt, task, train, devs, args, trial, device, run):
         assert train[0].shape[1] == ckpt["model_config"]["seq_len"]  # rows cut to the checkpoint's length
         assert len(train[0]) == (args.max_train_samples or len(train[0]))
         calls.append(task)
@@ -1443,32 +1443,102 @@ def test_glue_pool_mean_reads_the_mean_of_the_tokens():
         assert torch.allclose(model(ids), model.head(h[:, 0]), atol=1e-5, rtol=0)
 
 
-def test_glue_compiles_to_one_graph_and_an_epoch_has_at_most_four_lengths(one_thread):
-    """The CUDA path's shapes, on the CPU: the classifier is one graph (fullgraph: no length read
-    off the device), and the batches of one epoch have at most four lengths, so the compiled
-    model meets at most five shapes with the last, shorter batch, under dynamo's limit of 8."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=260, seq_len=128, layers=1, width=32, heads=2, ffn=64)
-    model = glue.Classifier(Crammed(cfg), 2, pad=256)
-    ids, _ = glue_rows([120] * 4 + [80] * 8 + [50] * 16 + [random.Random(i).randint(3, 20) for i in range(172)])
-    batches = [glue.bucket(ids[picked], 256, glue.BUCKET) for picked in torch.randperm(200).split(16)]
-    assert {b.shape[1] for b in batches} == {64, 96, 128} and len(batches[-1]) == 8
-    graphs = []  # one per shape compiled: counted by a backend of our own, the same in every torch
+def pair_tsv(label, lengths, rng, labels=None):
+    """A pair task's tsv, a row of each length in tokens ([CLS] a [SEP] b [SEP], a byte a token)."""
+    lines = ["sentence1\tsentence2\t" + label]
+    for tokens in lengths:
+        a = rng.randint(1, tokens - 4)
+        y = rng.choice(labels) if labels else f"{rng.uniform(0, 5):.3f}"
+        lines.append(f"{'x' * a}\t{'y' * (tokens - 3 - a)}\t{y}")
+    return "\n".join(lines) + "\n"
 
-    def count(graph, example_inputs):
-        graphs.append(graph)
+
+def test_glue_a_compiled_run_compiles_once_and_scores_as_eager(tmp_path, monkeypatch, one_thread):
+    """The CUDA path on the CPU: dynamo with a backend of our own that counts the graphs and runs
+    them as they are. Three tasks of head sizes 3, 1 and 2, two trials each, on one kept
+    classifier per head size: each trial scores what an eager, fresh model does, to the last digit
+    (every row's length is a multiple of 32, so the buckets are the eager cut). A second trial
+    compiles no (head size, length) an earlier one did: a run compiles at most 3 head sizes x 4
+    lengths, more than dynamo's default limit of 8; a trial's last, smaller batch runs eagerly."""
+    rng = random.Random(0)
+    nli, yes_no = ["entailment", "neutral", "contradiction"], ["entailment", "not_entailment"]
+    train, dev = [32] * 66 + [64, 64, 96, 128], [32, 64, 96, 128] * 5  # batches of every length
+    write_files(tmp_path / "glue" / "MNLI", {"train.tsv": pair_tsv("gold_label", train, rng, nli),
+                                              "dev_matched.tsv": pair_tsv("gold_label", dev, rng, nli),
+                                              "dev_mismatched.tsv": pair_tsv("gold_label", dev, rng, nli)})
+    write_files(tmp_path / "glue" / "STS-B", {"train.tsv": pair_tsv("score", train, rng),
+                                               "dev.tsv": pair_tsv("score", dev, rng)})
+    write_files(tmp_path / "glue" / "RTE", {"train.tsv": pair_tsv("label", train, rng, yes_no),
+                                             "dev.tsv": pair_tsv("label", dev, rng, yes_no)})
+    make_ckpt(str(tmp_path / "ckpt.pt"), seq_len=128, layers=1)
+    flags = ["--ckpt", str(tmp_path / "ckpt.pt"), "--glue-dir", str(tmp_path / "glue"), "--device", "cpu",
+             "--tasks", "MNLI,STS-B,RTE", "--trials", "2", "--epochs", "2", "--lr", "1e-3"]
+    eager = glue.main(flags)
+    graphs = []
+
+    def count(graph, example_inputs):  # a graph's (head size, length): its head's weight, its ids
+        head = [x.shape[0] for x in example_inputs if x.shape[1:] == (glue.HEAD_DIM,)]
+        ids = [x.shape[1] for x in example_inputs if x.dtype == torch.long]
+        graphs.append((*head, *ids))
         return graph.forward
-    compiled = torch.compile(model, backend=count, dynamic=False, fullgraph=True)
-    for idx in batches:
-        compiled(idx).sum().backward()
-    assert len(graphs) == len({b.shape for b in batches}) == 4  # 64, 96, 128, and the last batch
+    compile, Run = torch.compile, glue.Run
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compile(model, backend=count, **kwargs))
+    monkeypatch.setattr(glue, "Run", lambda examples, compile: Run(examples, compile=True))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # main raises it; put back after
+    compiled = glue.main(flags)
+    assert compiled == eager and set(compiled) == {"MNLI-m", "MNLI-mm", "STS-B", "RTE"}
+    assert len(set(t["pearson"] for t in compiled["STS-B"]["trials"])) == 2  # the trials differ
+    assert len(set(graphs)) == len(graphs) and set(graphs) <= {(n, t) for n in (1, 2, 3) for t in (32, 64, 96, 128)}
+    assert len(graphs) > 8, graphs  # over dynamo's default limit: main raised it
+
+
+def test_glue_evaluation_cuts_each_batch_to_its_own_longest_row(tmp_path, monkeypatch, one_thread):
+    """Eager (the CPU; the GPU's evaluation too), every batch is cut to its longest row, never
+    padded to a multiple of 32; the dev rows are read MICRO_BATCH at a time."""
+    shapes, forward = [], glue.Classifier.forward
+
+    def recorded(self, idx):
+        shapes.append((torch.is_grad_enabled(), *idx.shape))
+        return forward(self, idx)
+    monkeypatch.setattr(glue.Classifier, "forward", recorded)
+    make_ckpt(str(tmp_path / "ckpt.pt"), seq_len=128, layers=1)
+    ckpt, m = torch.load(tmp_path / "ckpt.pt"), glue.MICRO_BATCH
+    train = glue_rows([5] * 32)  # 7 tokens with [CLS] and [SEP]
+    dev = glue_rows([3] * (m - 1) + [70] + [10] * m + [20] * 44)
+    args = glue.get_args(["--ckpt", "unused", "--epochs", "1"])
+    glue.finetune(ckpt, "SST-2", train, {"SST-2": dev}, args, 0, torch.device("cpu"), glue.Run(32, False))
+    assert shapes == [(True, 16, 7)] * 2 + [(False, m, 72), (False, m, 12), (False, 44, 22)]
+
+
+def test_glue_says_the_runs_examples_and_the_runs_eta(tmp_path, monkeypatch, capsys, one_thread):
+    rng = random.Random(0)
+    write_files(tmp_path / "glue" / "RTE", {"train.tsv": pair_tsv("label", [32] * 40, rng, ["entailment", "not_entailment"]),
+                                             "dev.tsv": FIXTURES["RTE"]["dev.tsv"]})
+    write_files(tmp_path / "glue" / "STS-B", {"train.tsv": pair_tsv("score", [40] * 20, rng),
+                                               "dev.tsv": pair_tsv("score", [20] * 9, rng)})
+    make_ckpt(str(tmp_path / "ckpt.pt"), seq_len=128, layers=1)
+    clock = [1000.0]
+
+    def three_seconds_a_look():  # what Progress reads: a step takes 3 s
+        clock[0] += 3.0
+        return clock[0]
+    monkeypatch.setattr(prepare, "time", argparse.Namespace(time=three_seconds_a_look))
+    glue.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--glue-dir", str(tmp_path / "glue"), "--device", "cpu",
+               "--tasks", "RTE,STS-B", "--trials", "2", "--epochs", "2", "--max-train-samples", "30"])
+    out, err = capsys.readouterr()
+    assert out.startswith("fine-tuning on 200 examples in all: 2 trial(s) x 2 epochs x 50 training examples of 2 task(s)\n")
+    lines = err.splitlines()  # 3 s in, no ETA yet; 6 s in, 32 done: 168 left at 5.3 a second, the run's
+    assert lines[0].startswith("fine-tuning: 16/200 ex, 5.3 ex/s | RTE trial 1/2, loss ")
+    assert lines[1].startswith("fine-tuning: 32/200 ex, ETA 0:31, 5.3 ex/s | RTE trial 1/2, loss ")
+    assert lines[-1].startswith("fine-tuning: 200/200 ex, ETA 0:00, ") and "| STS-B trial 2/2, loss " in lines[-1]
 
 
 @CUDA
 def test_cuda_glue_fine_tuning_steps_never_wait_for_the_gpu(tmp_path, monkeypatch):
     """After the first step (it compiles), a step copies pinned inputs and reads nothing off the
-    GPU: under sync debug mode "error" any wait raises. Reading the loss at the last step is one."""
+    GPU: under sync debug mode "error" any wait raises. Reading the loss at the last step is one.
+    A second trial on the same compiled model starts as the first; its last, smaller batch runs
+    eagerly, and waits for nothing either."""
     class CheckSync:  # stands in for Progress, which reads the loss only at the last step here
         def __init__(self, *args):
             pass
@@ -1478,13 +1548,15 @@ def test_cuda_glue_fine_tuning_steps_never_wait_for_the_gpu(tmp_path, monkeypatc
     monkeypatch.setattr(glue, "Progress", CheckSync)
     make_ckpt(str(tmp_path / "ckpt.pt"))
     ckpt = torch.load(tmp_path / "ckpt.pt")
-    train = glue_rows([10, 20] * 32, seq_len=64)  # one bucket (32 tokens), 4 batches an epoch
-    args = glue.get_args(["--ckpt", "unused", "--epochs", "3", "--lr", "1e-3"])
+    train = glue_rows([10, 20] * 32 + [15], seq_len=64)  # one bucket (32 tokens), 4 batches an epoch and 1 row
+    args = glue.get_args(["--ckpt", "unused", "--epochs", "3", "--lr", "1e-3", "--trials", "2"])
+    run = glue.Run(3 * 65 * 2, compile=True)
     try:
-        scores = glue.finetune(ckpt, "SST-2", train, {"SST-2": train}, args, 0, torch.device("cuda"))
+        for trial in range(2):
+            scores = glue.finetune(ckpt, "SST-2", train, {"SST-2": train}, args, trial, torch.device("cuda"), run)
+            assert 0 <= scores["SST-2"]["accuracy"] <= 100
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert 0 <= scores["SST-2"]["accuracy"] <= 100
 
 
 def test_glue_device_and_lr_are_refused_before_any_work(glue_run, capsys):
