@@ -164,7 +164,7 @@ def finetune(ckpt, task, train, devs, args, trial, device, run):
         opt.param_groups[0]["lr"] = learning_rate(step, steps, args.lr)
         y = to_device(ys[picked], device)
         eager = compiled is None or len(picked) < args.batch_size  # the last batch: no new graph
-        step_model, multiple = (model, 1) if eager else (compiled, BUCKET)  # eager: no padding
+        step_model, multiple = (model, 1) if eager else (compiled, BUCKET)  # eager: its longest row
         with autocast(device):
             out = step_model(to_device(bucket(ids[picked], pad, multiple), device))
         loss = F.mse_loss(out[:, 0], y) if labels is None else F.cross_entropy(out, y)
