@@ -2,13 +2,13 @@
 
     python glue.py --ckpt out/ckpt.pt [--tasks RTE,MRPC --trials 5]  # default: the paper's 8 tasks
     python glue.py --ckpt out/ckpt.pt --random-init                  # the "no pretraining" row"""
-import argparse, collections, json, math, os, pathlib, zipfile
+import argparse, collections, json, math, os, pathlib
 
 import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
 
 from cram import BETAS, INIT_STD, MICRO_BATCH, Crammed, autocast, load_checkpoint, load_model
 from cram import pick_device, to_device
-from prepare import Progress, above_zero, atomic, die, download, entry, load_tokenizer, normalize
+from prepare import Progress, above_zero, atomic, damaged, die, entry, load_tokenizer, normalize
 
 # ----------------------------------------------------------------------------- the "sane" recipe
 LR = 4e-5            # peak AdamW learning rate
@@ -21,19 +21,18 @@ DROPOUT = 0.1        # in the encoder and the head while fine-tuning (pretrainin
 HEAD_DIM = 1024      # v2's head_dim: first token -> dense to this width, tanh, dropout, linear
 TRIALS = 1           # fine-tuning runs per task; the paper reports the median of 5
 BUCKET = 32          # compiled, each batch is cut to a multiple of this: few shapes to compile
-SETTING = ["epochs", "lr", "batch_size", "max_train_samples", "trials", "pool"]  # comparable
 
-Task = collections.namedtuple("Task", "zip a b label labels")
-TASKS = {"CoLA": Task("CoLA", "sentence", None, "label", ["0", "1"]),  # b None: one sentence
-         "SST-2": Task("SST-2", "sentence", None, "label", ["0", "1"]),
-         "MRPC": Task(None, "#1 String", "#2 String", "Quality", ["0", "1"]),  # built, not a zip
-         "STS-B": Task("STS-B", "sentence1", "sentence2", "score", None),  # None: regression
-         "QQP": Task("QQP-clean", "question1", "question2", "is_duplicate", ["0", "1"]),
-         "MNLI": Task("MNLI", "sentence1", "sentence2", "gold_label",
+Task = collections.namedtuple("Task", "a b label labels")  # the columns of its tsv files
+TASKS = {"CoLA": Task("sentence", None, "label", ["0", "1"]),  # b None: one sentence
+         "SST-2": Task("sentence", None, "label", ["0", "1"]),
+         "MRPC": Task("#1 String", "#2 String", "Quality", ["0", "1"]),
+         "STS-B": Task("sentence1", "sentence2", "score", None),  # labels None: regression
+         "QQP": Task("question1", "question2", "is_duplicate", ["0", "1"]),
+         "MNLI": Task("sentence1", "sentence2", "gold_label",
                       ["entailment", "neutral", "contradiction"]),
-         "QNLI": Task("QNLIv2", "question", "sentence", "label", ["entailment", "not_entailment"]),
-         "RTE": Task("RTE", "sentence1", "sentence2", "label", ["entailment", "not_entailment"]),
-         "WNLI": Task("WNLI", "sentence1", "sentence2", "label", ["0", "1"])}
+         "QNLI": Task("question", "sentence", "label", ["entailment", "not_entailment"]),
+         "RTE": Task("sentence1", "sentence2", "label", ["entailment", "not_entailment"]),
+         "WNLI": Task("sentence1", "sentence2", "label", ["0", "1"])}
 COLA_HEADER = ["source", "label", "original_label", "sentence"]  # CoLA's files have no header
 DEV = {"MNLI": {"MNLI-m": "dev_matched.tsv", "MNLI-mm": "dev_mismatched.tsv"}}  # others: dev.tsv
 METRICS = {"CoLA": ["mcc"], "STS-B": ["pearson"], "MRPC": ["f1", "accuracy"],
@@ -52,9 +51,10 @@ def read_tsv(path, task):
     t, rows = TASKS[task], []
     try:
         lines = pathlib.Path(path).read_bytes().decode("utf-8-sig").split("\n")
+    except FileNotFoundError:
+        die(f"{path}: not there; --glue-dir wants the folders of GLUE's download_glue_data.py")
     except UnicodeDecodeError as e:
-        n = e.object.count(b"\n", 0, e.start) + 1
-        die(f"{path}:{n}: not UTF-8 text (byte 0x{e.object[e.start]:02x})")
+        damaged(path, e, "; GLUE's files are UTF-8")
     header = COLA_HEADER if task == "CoLA" else lines[0].rstrip("\r").split("\t")
     for n, line in enumerate(lines, 1):
         fields = line.rstrip("\r").split("\t")
@@ -65,9 +65,8 @@ def read_tsv(path, task):
                 rows.append((row[t.a], row[t.b] if t.b else None,
                              float(y) if t.labels is None else t.labels.index(y)))
             except (KeyError, TypeError, ValueError):
-                want = "a number" if t.labels is None else "one of " + ", ".join(t.labels)
                 die(f"{path}:{n}: a text column is missing, or label {y!r} (column {t.label!r}) is "
-                    f"not {want}; is this {task}?")
+                    f"not {t.labels or 'a number'}; is this {task}?")
     if not rows:
         die(f"{path}: no examples")
     return rows
@@ -120,7 +119,7 @@ class Classifier(nn.Module):
 
 def bucket(rows, pad, multiple):
     """Rows cut on the CPU to the longest, rounded up to a multiple: 5 and 40 tokens -> 64 at 32,
-    so a compiled model meets 4 lengths. Outputs equal: [PAD] only at the end, no token sees it."""
+    so a compiled model meets 4 lengths; 40 at 1, eager. Outputs equal: [PAD] only at the end."""
     longest = int((rows != pad).sum(1).max())
     return rows[:, :min(math.ceil(longest / multiple) * multiple, rows.size(1))]
 
@@ -132,7 +131,15 @@ def learning_rate(step, total, peak):
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 
-def finetune(ckpt, task, train, devs, args, trial, device):
+class Run:
+    """What lasts from trial to trial: a classifier per head size, and the run's progress."""
+
+    def __init__(self, examples, compile):
+        self.compile, self.kept, self.done = compile, {}, 0
+        self.progress = Progress("fine-tuning", examples, "ex")
+
+
+def finetune(ckpt, task, train, devs, args, trial, device, run):
     """Fine-tune a fresh copy of the checkpoint on one task; {dev split: {metric: value}}."""
     torch.manual_seed(args.seed + trial)  # the model's head, dropout and the order of examples
     labels = TASKS[task].labels
@@ -140,33 +147,39 @@ def finetune(ckpt, task, train, devs, args, trial, device):
     encoder = load_model(ckpt, dropout=DROPOUT)
     if args.random_init:
         encoder = Crammed(encoder.config)
-    model = Classifier(encoder, 1 if labels is None else len(labels), pad, args.pool).to(device)
+    n_out = 1 if labels is None else len(labels)
+    fresh = Classifier(encoder, n_out, pad, args.pool)
+    if n_out not in run.kept:  # the run's first head of this size: kept, and compiled once
+        compiled = torch.compile(fresh, dynamic=False, fullgraph=True) if run.compile else None
+        run.kept[n_out] = fresh.to(device), compiled
+    model, compiled = run.kept[n_out]
+    model.load_state_dict(fresh.state_dict())  # into the same tensors: the graphs stay valid
+    model.train()  # the last trial left it in eval mode
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, fused=True,
                             weight_decay=WEIGHT_DECAY)  # fused: torch has it on CPUs too
-    step_model, multiple = model, 1  # eager: cut to the longest row; padding only costs time
-    if device.type == "cuda" and not args.no_compile:
-        torch._dynamo.reset()  # dynamo compiles 8 graphs at most: a run's 4 lengths and last fit
-        step_model, multiple = torch.compile(model, dynamic=False, fullgraph=True), BUCKET
     ids, ys = train
     order = torch.cat([torch.randperm(len(ids)) for _ in range(args.epochs)])
     steps = math.ceil(len(order) / args.batch_size)
-    progress = Progress(f"{task} trial {trial + 1}/{args.trials}", len(order), "ex")
     for step, picked in enumerate(order.split(args.batch_size)):
         opt.param_groups[0]["lr"] = learning_rate(step, steps, args.lr)
         y = to_device(ys[picked], device)
+        eager = compiled is None or len(picked) < args.batch_size  # the last batch: no new graph
+        step_model, multiple = (model, 1) if eager else (compiled, BUCKET)  # eager: its longest row
         with autocast(device):
             out = step_model(to_device(bucket(ids[picked], pad, multiple), device))
         loss = F.mse_loss(out[:, 0], y) if labels is None else F.cross_entropy(out, y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        done = min((step + 1) * args.batch_size, len(order))  # .item() waits: only when printed
-        progress(done, lambda: f" | loss {loss.item():.4f}", force=step + 1 == steps)
+        done = run.done + min((step + 1) * args.batch_size, len(order))
+        trial_loss = lambda: f" | {task} trial {trial + 1}/{args.trials}, loss {loss.item():.4f}"
+        run.progress(done, trial_loss, force=step + 1 == steps)  # .item() waits: only if printed
+    run.done += len(order)
     model.eval()
     scores = {}
     with torch.no_grad(), autocast(device):
-        for split, (dev_ids, dev_ys) in devs.items():  # v2's micro-batch of rows at a time
-            out = torch.cat([model(to_device(bucket(rows, pad, multiple), device)).cpu()
+        for split, (dev_ids, dev_ys) in devs.items():  # eager, a batch cut to its longest row
+            out = torch.cat([model(to_device(bucket(rows, pad, 1), device)).cpu()
                              for rows in dev_ids.split(MICRO_BATCH)])
             preds = out[:, 0] if labels is None else out.argmax(-1)
             scores[split] = score(task, preds.numpy(), dev_ys.numpy())
@@ -202,72 +215,26 @@ def glue_score(results):
 
 
 # ----------------------------------------------------------------------------- plumbing
-GLUE_URL = "https://dl.fbaipublicfiles.com/glue/data/{}.zip"
-MRPC_URL = "https://dl.fbaipublicfiles.com/senteval/senteval_data/msr_paraphrase_train.txt"
-MRPC_DEV_IDS_URL = ("https://firebasestorage.googleapis.com/v0/b/mtl-sentence-representations"
-                    ".appspot.com/o/data%2Fmrpc_dev_ids.tsv?alt=media&token="
-                    "ec5c0836-31d5-48f4-b431-7480817f1adc")
-
-
-def build_mrpc(folder):
-    """GLUE builds MRPC itself: SentEval's train file split by the dev id pairs, in bytes."""
-    with open(download(MRPC_URL, os.path.join(folder, "msr_paraphrase_train.txt")), "rb") as f:
-        header = f.readline().rstrip(b"\r\n")  # it keeps its BOM, as in GLUE's files
-        rows = [line.strip().split(b"\t") for line in f]
-    with open(download(MRPC_DEV_IDS_URL, os.path.join(folder, "mrpc_dev_ids.tsv")), "rb") as f:
-        dev_ids = {tuple(line.split()) for line in f}
-    for name, in_dev in [("train.tsv", False), ("dev.tsv", True)]:
-        lines = [b"\t".join(r) for r in rows if (tuple(r[1:3]) in dev_ids) == in_dev]
-        with atomic(os.path.join(folder, name)) as f:
-            f.write(b"\n".join([header] + lines) + b"\n")
-
-
 def read_task(task, glue_dir):
-    folder = os.path.join(glue_dir, task)
     files = {"train": "train.tsv", **DEV.get(task, {task: "dev.tsv"})}
-    missing = not all(os.path.exists(os.path.join(folder, f)) for f in files.values())
-    if missing and task == "MRPC":
-        build_mrpc(folder)
-    elif missing:
-        zpath = download(GLUE_URL.format(TASKS[task].zip), os.path.join(folder, task + ".zip"))
-        try:
-            with zipfile.ZipFile(zpath) as z:  # take RTE/train.tsv, not RTE/original/train.tsv
-                found = {os.path.basename(m): m for m in z.namelist() if m.count("/") == 1}
-                for name in files.values():
-                    with atomic(os.path.join(folder, name)) as f:
-                        f.write(z.read(found[name]))
-        except (zipfile.BadZipFile, KeyError) as e:
-            die(f"{zpath}: not a GLUE zip file ({type(e).__name__}: {e}); delete it, run again")
-        os.remove(zpath)
-    return {s: read_tsv(os.path.join(folder, f), task) for s, f in files.items()}
-
-
-def save_results(path, results, run_id):
-    """glue.json, results merged in, averaged over run_id's splits: -> (its data, those splits)."""
-    try:
-        data = json.loads(pathlib.Path(path).read_text()) if os.path.exists(path) else {}
-    except ValueError as e:  # left as it is: it may hold days of results
-        die(f"{path}: damaged ({type(e).__name__}: {e}); move it away, then run again")
-    data.setdefault("results", {}).update(results)
-    comparable = {s: r for s, r in data["results"].items() if r.get("run") == run_id}
-    data["average"] = glue_score(comparable)[0]
-    with atomic(path, "w") as f:  # a full disk leaves the earlier one, and entry names the file
-        json.dump(data, f, indent=1)
-    return data, comparable
+    return {s: read_tsv(os.path.join(glue_dir, task, f), task) for s, f in files.items()}
 
 
 def get_args(argv):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
-    arg("--ckpt", required=True, help="cram checkpoint to fine-tune")
-    arg("--glue-dir", default="data/glue", help="GLUE task folders (default: %(default)s)")
-    arg("--tasks", default="CoLA,SST-2,MRPC,STS-B,QQP,MNLI,QNLI,RTE", help="default: all but WNLI")
+    arg("--ckpt", required=True, help="the cram checkpoint to fine-tune; glue.json goes beside it")
+    arg("--glue-dir", default="data/glue", help="GLUE's task folders (default: %(default)s)")
+    arg("--tasks", default="CoLA,SST-2,MRPC,STS-B,QQP,MNLI,QNLI,RTE",
+        help="GLUE tasks, comma-separated, in any case (default: the paper's 8, all but WNLI)")
     arg("--epochs", type=above_zero(int), default=EPOCHS, help="per task (default: %(default)s)")
     arg("--lr", type=above_zero(float), default=LR, help="peak AdamW lr (default: %(default)s)")
-    arg("--batch-size", type=above_zero(int), default=BATCH_SIZE, help="(default: %(default)s)")
+    arg("--batch-size", type=above_zero(int), default=BATCH_SIZE,
+        help="examples per optimizer step (default: %(default)s)")
     arg("--seed", type=int, default=0, help="trial k uses seed + k - 1 (default: %(default)s)")
-    arg("--trials", type=above_zero(int), default=TRIALS, help="runs; their median (%(default)s)")
+    arg("--trials", type=above_zero(int), default=TRIALS,
+        help="fine-tuning runs per task; the table gives their median (default: %(default)s)")
     arg("--max-train-samples", type=above_zero(int), help="fine-tune on the first N examples only")
     arg("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
@@ -288,25 +255,29 @@ def main(argv=None):
     ckpt = load_checkpoint(args.ckpt)
     out = os.path.join(os.path.dirname(args.ckpt),
                        "glue-random-init.json" if args.random_init else "glue.json")
-    run_id = {"checkpoint": {"step": ckpt.get("step"), "elapsed": ckpt.get("elapsed")},
-              "setting": {k: vars(args)[k] for k in SETTING}}  # what averages may mix
     data = {t: read_task(t, args.glue_dir) for t in args.tasks}
-    save_results(out, {}, run_id)  # a damaged glue.json or a folder that takes no file: said now
+    open(out + ".tmp", "w").close()  # a folder that takes no file: said now, not after a task
+    os.remove(out + ".tmp")
     enc, specials = load_tokenizer(ckpt["tokenizer"]), ckpt["tokenizer"]["special_tokens"]
     seq_len = ckpt["model_config"]["seq_len"]
+    train_examples = sum(len(rows["train"][:args.max_train_samples]) for rows in data.values())
+    examples = args.trials * args.epochs * train_examples
+    print(f"fine-tuning on {examples:,} examples in all: {args.trials} trial(s) x {args.epochs} "
+          f"epochs x {train_examples:,} training examples of {len(data)} task(s)")
+    torch._dynamo.config.recompile_limit = 3 * math.ceil(seq_len / BUCKET)  # 3 head sizes x lengths
+    run = Run(examples, compile=device.type == "cuda" and not args.no_compile)
+    results = {}
     for task, rows in data.items():
         train = encode(enc, specials, rows.pop("train")[:args.max_train_samples], seq_len)
         devs = {s: encode(enc, specials, r, seq_len) for s, r in rows.items()}
-        runs = [finetune(ckpt, task, train, devs, args, k, device) for k in range(args.trials)]
+        runs = [finetune(ckpt, task, train, devs, args, k, device, run) for k in range(args.trials)]
         for split in devs:
             trials = [r[split] for r in runs]
-            result = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}
-            result.update(trials=trials, settings=vars(args), run=run_id)
-            saved, comparable = save_results(out, {split: result}, run_id)  # at once: none lost
-    avg, numbers = glue_score(comparable)
-    others = sorted(set(saved["results"]) - set(comparable))
-    if others:
-        print(f"{out}: left out {', '.join(others)}: another checkpoint or setting than this run's")
+            results[split] = {m: float(np.median([t[m] for t in trials])) for m in trials[0]}
+            results[split]["trials"] = trials
+        avg, numbers = glue_score(results)
+        with atomic(out, "w") as f:  # after each task: a Ctrl-C loses only the task at hand
+            json.dump({"settings": vars(args), "results": results, "average": avg}, f, indent=1)
     ours = "random init" if args.random_init else os.path.basename(args.ckpt)
     print(f"\nours: the median of {args.trials} trial(s) per task; the paper's rows: medians of 5 "
           f"(--trials 5), v2's: the best of 5")
@@ -314,7 +285,7 @@ def main(argv=None):
     for label, values in {ours: [numbers.get(s) for s in COLUMNS] + [avg], **REFERENCE}.items():
         print(f"{label:29s}" + "".join("       -" if v is None else f"{v:8.1f}" for v in values))
     print(f"wrote {out}")
-    return saved["results"]
+    return results
 
 
 if __name__ == "__main__":
