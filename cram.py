@@ -349,7 +349,7 @@ def train(args, changes, rank, world, device):
         data.epoch, data.pos = ckpt["data"]
         raw.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        saved = save(path, state, raw, opt, rank)  # at once: a full disk or a locked folder shows now
+        saved = save(path, state, raw, opt, rank)  # at once: a disk that takes none shows now
     n = sum(p.numel() for p in raw.parameters())
     budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
     last_batch = ramp(1.0, args.batch_size, args.micro_batch * world) * args.micro_batch * world
@@ -505,18 +505,13 @@ def go_on(path, saved, change):
 
 def log(logf, line="", **record):
     """Rank 0 (logf: its log.jsonl, None on the others) prints a line, or a record as 'step 3 |
-    6,144 tok | ...' that log.jsonl keeps."""
+    tokens 6,144 | loss 6.12346 | ...' that log.jsonl keeps."""
     if logf:
-        fields = (LOG_FORMAT[k].format(v) for k, v in record.items() if k in LOG_FORMAT)
+        fields = [f"{k} {v:,.6g}" if isinstance(v, float) else f"{k} {v:,}"
+                  for k, v in record.items()]
         print(line or " | ".join(fields), flush=True)
         if record:
             print(json.dumps(record), file=logf, flush=True)
-
-
-LOG_FORMAT = {"step": "step {}", "tokens": "{:,} tok", "loss": "loss {:.4f}", "lr": "lr {:.2e}",
-              "batch": "batch {}", "compiled": "compiled in {:.0f}s", "tok_s": "{:,} tok/s",
-              "mfu": "mfu {:.1%}", "elapsed": "{:,.0f}s elapsed", "left": "{:,.0f}s left",
-              "val_loss": "val loss {:.4f}", "val_acc": "accuracy {:.1%}"}
 
 
 def load_checkpoint(path, meta=None, tok=None, hint=""):
@@ -550,33 +545,32 @@ def get_args(argv=None):
     lines that say a resume's changes)"""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    arg = ap.add_argument
-    tiny = PRESETS["tiny"]
+    arg, count, seconds = ap.add_argument, above_zero(int), above_zero(float, or_zero=True)
+
+    def both(k):  # a run setting's default in each preset, for --help
+        return f"crammed {PRESETS['crammed'][k]}, tiny {PRESETS['tiny'][k]}"
     arg("--data", default="data", help="folder written by prepare.py (%(default)s)")
     arg("--out", default="out", help="folder for ckpt.pt and log.jsonl (%(default)s)")
     arg("--time", type=above_zero(float), help=f"budget in seconds, compiling included ({BUDGET})")
-    arg("--steps", type=above_zero(int), help="budget in optimizer steps instead (reproducible)")
+    arg("--steps", type=count, help="budget in optimizer steps instead (reproducible)")
     arg("--seed", type=above_zero(int, or_zero=True), help="of the init, the order, the masks (0)")
     arg("--preset", choices=PRESETS, default="crammed", help="the paper's, or tiny: the CPU demo")
-    arg("--layers", type=above_zero(int), help="blocks (crammed 16, tiny 2)")
-    arg("--width", type=above_zero(int), help="hidden size (crammed 768, tiny 128)")
-    arg("--heads", type=above_zero(int), help="attention heads (crammed 12, tiny 2)")
-    arg("--ffn", type=above_zero(int), help="the gated MLP's inner width (crammed 3072, tiny 512)")
-    arg("--micro-batch", type=above_zero(int), help="sequences per forward pass (crammed: 128 to "
-        f"512 by GPU memory, at most 1/8 of the batch; tiny {tiny['micro_batch']})")
-    arg("--batch-size", type=above_zero(int), help="sequences a step at the ramp's end (crammed "
-        f"{BATCH_SIZE}, tiny {tiny['batch_size']})")
-    arg("--lr", type=above_zero(float), help=f"peak lr (crammed {LR}, tiny {tiny['lr']})")
+    arg("--layers", type=count, help=f"blocks ({both('layers')})")
+    arg("--width", type=count, help=f"hidden size ({both('width')})")
+    arg("--heads", type=count, help=f"attention heads ({both('heads')})")
+    arg("--ffn", type=count, help=f"the gated MLP's inner width ({both('ffn')})")
+    arg("--micro-batch", type=count, help="sequences per forward pass (crammed: 128 to 512 by GPU "
+        f"memory, at most 1/8 of the batch; tiny {PRESETS['tiny']['micro_batch']})")
+    arg("--batch-size", type=count, help=f"sequences a step after the ramp ({both('batch_size')})")
+    arg("--lr", type=above_zero(float), help=f"peak learning rate ({both('lr')})")
     arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
-    arg("--log-every", type=above_zero(float, or_zero=True), default=10,
-        help="seconds between log lines (%(default)s; 0: every step)")
-    arg("--eval-every", type=above_zero(float, or_zero=True), default=0,
-        help="seconds between validations (0: at the end only)")
+    arg("--log-every", type=seconds, default=10, help="seconds between log lines (%(default)s)")
+    arg("--eval-every", type=seconds, default=0, help="seconds between validations (0: the end)")
     arg("--eval-rows", type=above_zero(int, or_zero=True), default=2048,
-        help="held-out rows a validation reads: their masks are fixed (%(default)s)")
+        help="held-out rows a validation reads, on fixed masks (%(default)s)")
     arg("--save-every", type=above_zero(float), default=1800,
-        help="seconds between checkpoints: what a lost GPU can cost (%(default)s)")
+        help="seconds between checkpoints: what a lost GPU may cost (%(default)s)")
     arg("--resume", action="store_true", help="go on with OUT/ckpt.pt (see RESUME_MAY_CHANGE)")
     arg("--fill", nargs="+", metavar="TEXT", help="OUT/ckpt.pt's top 5 for each [MASK] of TEXT")
     args = ap.parse_args(argv)

@@ -614,7 +614,7 @@ def test_budget_is_respected(tmp_path, data):
 def test_what_a_newcomer_reads(tmp_path, data, capsys, monkeypatch):
     cram.main(["--data", data, "--out", str(tmp_path / "a"), "--time", "1", *TINY])  # a line a step
     out = capsys.readouterr().out
-    assert "step 1 | 256 tok | loss" in out and "CPU demo" not in out  # 8 rows of 32: a small number reads as one
+    assert "step 1 | seqs 8 | tokens 256 | loss" in out and "CPU demo" not in out  # 8 rows of 32
     steps = [r for r in records(str(tmp_path / "a")) if "left" in r]
     assert steps[-1]["elapsed"] >= 0.95 and all(r["left"] >= 0 for r in steps)  # at the end: 0 left
     progress = prepare.Progress("evaluate", 1030, "rows")
@@ -983,17 +983,29 @@ def test_a_run_killed_before_its_first_save_starts_again(tmp_path, data):
 
 
 def test_the_rate_counts_training_time_only(tmp_path, data, monkeypatch):
-    real_save = cram.torch.save
+    """A clock that moves a millisecond at each look, and two seconds in each save and validation:
+    a rate that counted them would fall below a window's tokens per second, on any machine."""
+    real_save, real_evaluate, ticks = cram.torch.save, cram.evaluate, [0.0]
 
-    def slow_save(obj, f):  # each checkpoint takes two seconds; a step of TINY takes milliseconds
-        time.sleep(2.0)
+    def clock():
+        ticks[0] += 0.001
+        return ticks[0]
+
+    def slow_save(obj, f):
+        ticks[0] += 2.0
         real_save(obj, f)
+
+    def slow_evaluate(*args):
+        ticks[0] += 2.0
+        return real_evaluate(*args)
+    monkeypatch.setattr(cram.time, "monotonic", clock)
     monkeypatch.setattr(cram.torch, "save", slow_save)
+    monkeypatch.setattr(cram, "evaluate", slow_evaluate)
     cram.main(["--data", data, "--out", str(tmp_path), "--steps", "4", "--save-every", "1e-9", "--eval-every", "1e-9",
                *TINY])
     steps = [r for r in records(str(tmp_path)) if "tok_s" in r]
     assert len(steps) == 4  # a save and a validation between every two log lines, none in the rate:
-    assert all(r["tok_s"] > r["tokens"] / r["step"] / 1.0 for r in steps)  # a step in well under a save's 2 s
+    assert all(r["tok_s"] > 16 * 32 / 0.01 for r in steps)  # a step's 16 rows of 32 in 2 ticks
 
 
 def test_validation_masks_do_not_depend_on_the_micro_batch(tmp_path, data):
@@ -1796,8 +1808,8 @@ def test_the_help_says_what_each_flag_is_and_both_presets_defaults(capsys):
         cram.main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     for said in ["sequences per forward pass (crammed: 128 to 512 by GPU memory", "tiny 16)",
-                 "hidden size (crammed 768, tiny 128)", "peak lr (crammed 0.001, tiny 0.006)",
-                 "seconds between log lines (10;", "seconds between checkpoints", "held-out rows"]:
+                 "hidden size (crammed 768, tiny 128)", "peak learning rate (crammed 0.001, tiny 0.006)",
+                 "seconds between log lines (10)", "seconds between checkpoints", "held-out rows"]:
         assert said in help_text
 
 

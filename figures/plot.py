@@ -134,8 +134,9 @@ def overlap(by_budget):
 
 
 def plot_budgets(args):
-    """STS-B by pretraining budget: every trial a point, the medians marked, random weights'
-    best as a line. A run's budget is its --time, read off its log (elapsed + left)."""
+    """STS-B by pretraining budget: every trial a point (each pretraining run its colour), the
+    medians joined, random weights' median as a line. A run's budget is its --time, read off its
+    log (elapsed + left); a run's glue-random-init.json adds to the random weights' trials."""
     by_budget, random = {}, []
     for run in args.runs:
         last = read_log(run)[0][-1]
@@ -144,19 +145,23 @@ def plot_budgets(args):
         random += sts_trials(os.path.join(run, "glue-random-init.json"))
     fig, ax = plt.subplots(figsize=(6, 3.6))
     budgets = sorted(by_budget)
+    medians = []
     for i, minutes in enumerate(budgets):
         for j, trials in enumerate(by_budget[minutes]):  # each pretraining run a little apart
             ax.plot([i + 1 + 0.08 * j] * len(trials), trials, "o", color=f"C{j}", ms=4)
-        every = [t for trials in by_budget[minutes] for t in trials]
-        ax.plot([i + 0.9, i + 1.3], [statistics.median(every)] * 2, "k-", lw=2)
-        print(f"{minutes} min: {by_budget[minutes]}, median {statistics.median(every):.2f}")
+        medians.append(statistics.median([t for trials in by_budget[minutes] for t in trials]))
+        print(f"{minutes} min: {by_budget[minutes]}, median {medians[-1]:.2f}")
+    ax.plot(range(1, len(budgets) + 1), medians, "k-", lw=1.5, label="median")
     ax.plot([0] * len(random), random, "o", color="gray", ms=4)
-    ax.axhline(max(random), color="gray", ls="--", lw=0.8)
+    ax.axhline(statistics.median(random), color="gray", ls="--", lw=0.8,
+               label="random weights' median")
     share = overlap({m: [t for ts in by_budget[m] for t in ts] for m in budgets})
-    print(f"random weights: {random}; a longer budget scores higher in {share:.0%} of the pairs")
+    print(f"random weights: {random}, median {statistics.median(random):.2f}; a longer budget "
+          f"scores higher in {share:.0%} of the pairs")
     ax.set_xticks(range(len(budgets) + 1), ["random\nweights"] + [f"{m} min" for m in budgets])
     ax.set(ylabel="STS-B, Pearson's r x 100",
            title=f"a longer budget scores higher in {share:.0%} of the pairs of trials")
+    ax.legend(fontsize=8)
     return fig
 
 
