@@ -123,11 +123,6 @@ def encode_job(job, rank_file, pattern):
 
 
 # ----------------------------------------------------------------------------- the tokenizer
-def pairs(word):
-    """A word's adjacent pairs, left to right: pairs('cat') -> ['ca', 'at']."""
-    return [a + b for a, b in zip(word, word[1:])]
-
-
 def train_bpe(counts, n_vocab):
     """Byte-level BPE: merge the most frequent adjacent pair (ties: the smaller) into a new token,
     over and over. A word (a pre-tokenised chunk) is a str of chr(id)s, so a merge is a str.replace:
@@ -139,9 +134,9 @@ def train_bpe(counts, n_vocab):
     pair_counts = defaultdict(int)  # a pair's count in the words, times their freqs
     words_with = defaultdict(set)  # a pair -> the words that hold it, or held it
     for i, word in enumerate(words):
-        for pair in pairs(word):
-            pair_counts[pair] += freqs[i]
-            words_with[pair].add(i)
+        for j in range(len(word) - 1):  # word[j:j + 2]: the pair at j, sliced inline (no call)
+            pair_counts[word[j:j + 2]] += freqs[i]
+            words_with[word[j:j + 2]].add(i)
     heap = [(-count, pair) for pair, count in pair_counts.items()]
     heapq.heapify(heap)  # the most frequent pair first; 2-char strs order as pairs of ids do
     vocab = [bytes([b]) for b in range(256)]  # vocab[id]: the token's bytes
@@ -156,13 +151,15 @@ def train_bpe(counts, n_vocab):
         vocab.append(vocab[ord(pair[0])] + vocab[ord(pair[1])])
         changes = defaultdict(int)  # a pair -> what this merge adds to its count, in all its words
         for i in words_with.pop(pair):
-            if pair not in words[i]:
+            word, freq = words[i], freqs[i]
+            if pair not in word:
                 continue  # no word leaves a set of words_with: an earlier merge took this pair
-            for old in pairs(words[i]):
-                changes[old] -= freqs[i]
-            words[i] = words[i].replace(pair, token)
-            for new in pairs(words[i]):
-                changes[new] += freqs[i]
+            for j in range(len(word) - 1):  # every pair of the word goes,
+                changes[word[j:j + 2]] -= freq
+            words[i] = word = word.replace(pair, token)
+            for j in range(len(word) - 1):  # every pair of the merged word comes
+                new = word[j:j + 2]
+                changes[new] += freq
                 if token in new:  # the word's other pairs are listed already
                     words_with[new].add(i)
         for changed, change in changes.items():  # once per pair, its changes summed over the words
@@ -245,8 +242,8 @@ def write_data(args, tok, pool):
     pathlib.Path(rank_file).write_text(tok["ranks"])
     train_rows, val_rows, stats = pack(pool, rank_file, tok, args)
     if not train_rows or not val_rows:
-        die(f"too little data for a train and a val row of {args.seq_len} tokens, with "
-            f"{stats['trash']:,} documents dropped as trash; give more text, or raise --trash")
+        die(f"too little data for a train and a val row of {args.seq_len} tokens; give more text, "
+            f"or raise --trash {args.trash:g} if its {stats['trash']:,} dropped documents are text")
     sources = args.input or [C4_URL.format(i=i) for i in range(args.shards)]
     meta = {"vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS), "seq_len": args.seq_len,
             "special_tokens": tok["special_tokens"], "pattern": tok["pattern"],
@@ -438,14 +435,11 @@ def main(argv=None):
         tokenizer_meta, tok = read_prepared(args.tokenizer)[:2]
     args.trash = tokenizer_meta["trash"] if args.trash is None else args.trash
     os.makedirs(args.out, exist_ok=True)
-    args.files = args.input  # or C4's first --shards, every one downloaded before the work starts
-    if not args.input:  # (one already there is kept: a restart downloads only what is missing)
-        args.files = []
-        progress = Progress("download", args.shards, "C4 shards")
-        for i in range(args.shards):
-            shard = os.path.join(args.out, "raw", f"c4-train.{i:05d}.json.gz")
-            args.files.append(download(C4_URL.format(i=i), shard))
-            progress(i + 1)
+    args.files = args.input or []  # or C4's first --shards, all downloaded before the work starts
+    progress = Progress("download", args.shards, "C4 shards")  # (one there is kept: a restart
+    for i in range(0 if args.input else args.shards):  # downloads only those that are missing)
+        args.files.append(download(C4_URL.format(i=i), f"{args.out}/raw/c4-train.{i:05d}.json.gz"))
+        progress(i + 1)
     # Workers ignore Ctrl-C: the main process answers it, and leaving the pool terminates them
     with multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
         meta = write_data(args, tok, pool)
