@@ -7,9 +7,8 @@
 The folder gets train.bin and val.bin (uint16 token ids, rows of --seq-len), tokenizer.tiktoken
 and, written last, meta.json: a folder without meta.json is not data."""
 import argparse, base64, contextlib, functools, gzip, hashlib, heapq, itertools, json
-import mmap, multiprocessing, os, pathlib, re, signal, sys, threading, time, unicodedata, zlib
+import mmap, multiprocessing, os, pathlib, re, signal, sys, time, unicodedata, zlib
 from collections import Counter, defaultdict, deque, namedtuple
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np, requests, tiktoken
 
@@ -24,11 +23,14 @@ PATTERN = r"""'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)
 VAL_EVERY = 200     # every 200th document until VAL_CAP: a sample of the first ~4% of 5.5 B tokens
 VAL_CAP = 1 << 20   # up to ~1 M tokens (0.02% of 5.5 B): 4x what cram.py validates on, by default
 SHARDS = 33         # C4 shards (~0.17 B tokens each) for the paper's 5.5 B tokens; see the README
+C4_SHARDS = 1024    # C4's English training shards, all of them ("-of-01024" in C4_URL)
 C4_URL = ("https://huggingface.co/datasets/allenai/c4/resolve/main/en/"
           "c4-train.{i:05d}-of-01024.json.gz")
 JOB_BYTES = 1 << 20  # text per worker job: big enough to hide the hand-over, small enough for RAM
 RETRIES = 5         # download attempts; the waits between them double: ~30 s of trouble ridden out
 BACKOFF = 2.0       # the first wait (s)
+TIMEOUT = (10, 60)  # s a download may wait to connect, then for its next bytes, before a retry
+PROGRESS_EVERY = 2.0  # s at least between two progress lines of a long step
 
 
 # ----------------------------------------------------------------------------- reading
@@ -43,11 +45,10 @@ def read_records(f, is_json):
     return (b" ".join(run) for nonblank, run in itertools.groupby(lines, key=bool) if nonblank)
 
 
-def jobs(files):
+def jobs(args):
     """Jobs of (is_json, records), ~JOB_BYTES of one file each: the same for any worker count."""
-    for path in files:
-        shard = isinstance(path, Future)  # a C4 shard of c4_downloads, read once downloaded
-        path = path.result() if shard else path  # a failed download raises its error here
+    fix = "" if args.input else "; delete it and run again: it is downloaded again"  # C4's
+    for path in args.files:
         is_json = ".json" in os.path.basename(path)
         job, size = [], 0
         opener = gzip.open if path.endswith(".gz") else open
@@ -60,17 +61,16 @@ def jobs(files):
                         yield is_json, job
                         job, size = [], 0
             except (OSError, EOFError, zlib.error) as e:
-                fix = "; delete it and run again: it is downloaded again" if shard else ""
-                die(f"{path}: corrupt or truncated file ({e}){fix}")
+                damaged(path, e, fix)
         if job:
             yield is_json, job
 
 
-def in_order(pool, fn, extra, files, workers):
-    """fn(job, *extra) for each job of the files, on the pool, results in order. At most two jobs
+def in_order(pool, fn, extra, args):
+    """fn(job, *extra) for each job of args.files, on the pool, results in order. At most two jobs
     per worker are in flight, so memory stays flat (Pool.imap would read every file ahead)."""
-    handed_out = (pool.apply_async(fn, (job, *extra)) for job in jobs(files))
-    pending = deque(itertools.islice(handed_out, 2 * workers))
+    handed_out = (pool.apply_async(fn, (job, *extra)) for job in jobs(args))
+    pending = deque(itertools.islice(handed_out, 2 * args.workers))
     while pending:
         result = pending.popleft().get()
         pending.extend(itertools.islice(handed_out, 1))
@@ -123,26 +123,20 @@ def encode_job(job, rank_file, pattern):
 
 
 # ----------------------------------------------------------------------------- the tokenizer
-def pairs(word):
-    """A word's adjacent pairs, left to right: pairs('cat') -> ['ca', 'at']."""
-    return [a + b for a, b in zip(word, word[1:])]
-
-
 def train_bpe(counts, n_vocab):
     """Byte-level BPE: merge the most frequent adjacent pair (ties: the smaller) into a new token,
     over and over. A word (a pre-tokenised chunk) is a str of chr(id)s, so a merge is a str.replace:
     {' cat': 3, ' hat': 2} has pairs ' c' 3, 'ca' 3, 'at' 5, ' h' 2, 'ha' 2; 'at' becomes
     chr(256): [' c\u0100', ' h\u0100'], vocab[256] = b'at', new pairs 'c\u0100' 3, 'h\u0100' 2.
-    The specification is test_cram.py's naive_bpe (a test checks both learn the same), which counts
-    all pairs again per merge; here a merge visits only its pair's words, updating what changes."""
+    test_cram.py's naive_bpe is the specification; here a merge visits only its pair's words."""
     words = ["".join(map(chr, word.encode())) for word in counts]
     freqs = list(counts.values())  # freqs[i]: how often words[i] is in the text
     pair_counts = defaultdict(int)  # a pair's count in the words, times their freqs
     words_with = defaultdict(set)  # a pair -> the words that hold it, or held it
     for i, word in enumerate(words):
-        for pair in pairs(word):
-            pair_counts[pair] += freqs[i]
-            words_with[pair].add(i)
+        for j in range(len(word) - 1):  # word[j:j + 2]: the pair at j, sliced inline (no call)
+            pair_counts[word[j:j + 2]] += freqs[i]
+            words_with[word[j:j + 2]].add(i)
     heap = [(-count, pair) for pair, count in pair_counts.items()]
     heapq.heapify(heap)  # the most frequent pair first; 2-char strs order as pairs of ids do
     vocab = [bytes([b]) for b in range(256)]  # vocab[id]: the token's bytes
@@ -157,13 +151,15 @@ def train_bpe(counts, n_vocab):
         vocab.append(vocab[ord(pair[0])] + vocab[ord(pair[1])])
         changes = defaultdict(int)  # a pair -> what this merge adds to its count, in all its words
         for i in words_with.pop(pair):
-            if pair not in words[i]:
+            word, freq = words[i], freqs[i]
+            if pair not in word:
                 continue  # no word leaves a set of words_with: an earlier merge took this pair
-            for old in pairs(words[i]):
-                changes[old] -= freqs[i]
-            words[i] = words[i].replace(pair, token)
-            for new in pairs(words[i]):
-                changes[new] += freqs[i]
+            for j in range(len(word) - 1):  # every pair of the word goes,
+                changes[word[j:j + 2]] -= freq
+            words[i] = word = word.replace(pair, token)
+            for j in range(len(word) - 1):  # every pair of the merged word comes
+                new = word[j:j + 2]
+                changes[new] += freq
                 if token in new:  # the word's other pairs are listed already
                     words_with[new].add(i)
         for changed, change in changes.items():  # once per pair, its changes summed over the words
@@ -171,6 +167,7 @@ def train_bpe(counts, n_vocab):
                 pair_counts[changed] += change
                 heapq.heappush(heap, (-pair_counts[changed], changed))  # again, with its new count
         progress(len(vocab) - 256)
+    assert len(set(vocab)) == len(vocab), "two merges made the same bytes: their ids would clash"
     return {token_bytes: i for i, token_bytes in enumerate(vocab)}
 
 
@@ -183,18 +180,16 @@ def load_tokenizer(tok):
                              special_tokens=tok.get("special_tokens", {}))
 
 
-def train_tokenizer(pool, files, args):
+def train_tokenizer(pool, args):
     """A BPE of --vocab-size tokens from the first --sample-mb of text, in whole jobs."""
     counts, chars = Counter(), 0
     progress = Progress("tokenizer sample", args.sample_mb, "MB")
-    for job_counts, job_chars in in_order(pool, count_chunks, (), files, args.workers):
+    for job_counts, job_chars in in_order(pool, count_chunks, (), args):
         counts.update(job_counts)
         chars += job_chars
         progress(chars / 1e6)
         if chars >= args.sample_mb * 1e6:
             break
-    if not counts:
-        die(f"no text in {' '.join(args.input or ['the C4 shards'])}")
     vocab = train_bpe(counts, args.vocab_size - len(SPECIALS))
     lines = [f"{base64.b64encode(token).decode()} {i}\n" for token, i in vocab.items()]
     specials = {s: len(vocab) + i for i, s in enumerate(SPECIALS)}
@@ -217,16 +212,14 @@ def held_out(kept, val_tokens, seq_len):
     return val_tokens < VAL_CAP and (kept % VAL_EVERY == 0 or val_tokens < seq_len)
 
 
-def pack(pool, files, rank_file, tok, args):
+def pack(pool, rank_file, tok, args):
     """Documents in order, exact duplicates and trash dropped, joined by [SEP] into rows: those
     `held_out` picks into val.bin, the rest into train.bin; -> train rows, val rows, the report."""
     stats, seen = Counter(), set()  # the report: what was kept and dropped; the kept ones' keys
-    val_tokens = 0  # in val.bin so far, [SEP]s included
-    sep = np.array([tok["special_tokens"]["[SEP]"]], np.uint16)
+    sep = np.uint16(tok["special_tokens"]["[SEP]"]).tobytes()
     train, val = (open(os.path.join(args.out, f"{split}.bin"), "wb") for split in ("train", "val"))
     progress = Progress("encode", 0, "MB of text")
-    for docs in in_order(pool, encode_job, (rank_file, tok["pattern"]), files, args.workers):
-        to_train, to_val = [], []  # one write per job, of its documents each followed by [SEP]
+    for docs in in_order(pool, encode_job, (rank_file, tok["pattern"]), args):
         for doc in docs:
             if doc is None:
                 stats["bad_lines"] += 1
@@ -234,30 +227,23 @@ def pack(pool, files, rank_file, tok, args):
                 stats["duplicates"] += 1
             elif args.trash and len(doc.ids) >= args.trash * doc.chars:  # the trash filter
                 stats.update(trash=1, trash_chars=doc.chars)
-            else:
-                if held_out(len(seen), val_tokens, args.seq_len):  # len(seen): the documents kept
-                    to_val += [doc.ids, sep]
-                    val_tokens += len(doc.ids) + 1
-                else:
-                    to_train += [doc.ids, sep]
+            else:  # len(seen): the documents kept so far; val.tell() // 2: the tokens in val.bin
+                split = val if held_out(len(seen), val.tell() // 2, args.seq_len) else train
+                split.write(doc.ids.tobytes() + sep)
                 seen.add(doc.key)
                 stats.update(documents=1, characters=doc.chars, tokens=len(doc.ids))
-        train.write(b"".join(ids.tobytes() for ids in to_train))
-        val.write(b"".join(ids.tobytes() for ids in to_val))
         progress(stats["characters"] / 1e6)
     return close_rows(train, args.seq_len), close_rows(val, args.seq_len), stats
 
 
-def write_data(args, tok, pool, files):
-    tok = tok or train_tokenizer(pool, files, args)  # or --tokenizer's
+def write_data(args, tok, pool):
+    tok = tok or train_tokenizer(pool, args)  # or --tokenizer's
     rank_file = os.path.join(args.out, "tokenizer.tiktoken")
     pathlib.Path(rank_file).write_text(tok["ranks"])
-    train_rows, val_rows, stats = pack(pool, files, rank_file, tok, args)
-    if not stats["documents"] and stats["trash"]:
-        die(f"the trash filter dropped all {stats['trash']:,} documents (at least "
-            f"{args.trash:g} tokens per character); raise --trash")
+    train_rows, val_rows, stats = pack(pool, rank_file, tok, args)
     if not train_rows or not val_rows:
-        die(f"too little data for a train and a val row of {args.seq_len} tokens; give more text")
+        die(f"too little data for a train and a val row of {args.seq_len} tokens; give more text, "
+            f"or raise --trash {args.trash:g} if its {stats['trash']:,} dropped documents are text")
     sources = args.input or [C4_URL.format(i=i) for i in range(args.shards)]
     meta = {"vocab_size": len(tok["ranks"].splitlines()) + len(SPECIALS), "seq_len": args.seq_len,
             "special_tokens": tok["special_tokens"], "pattern": tok["pattern"],
@@ -281,14 +267,15 @@ def damaged(path, error, fix=""):
     die(f"{path}: damaged or unreadable ({type(error).__name__}: {first}){fix}")
 
 
-def above_zero(kind, or_zero=False):
-    """An argparse type: a finite number above 0 (or_zero: or 0), or argparse's error ('argument
-    --lr: nan is not a finite number above 0'), not a run gone wrong (--time -1 never ends)."""
+def above_zero(kind, or_zero=False, most=float("inf")):
+    """An argparse type: a finite number above 0 (or_zero: or 0) up to `most`, or argparse's error
+    ('argument --lr: nan is not a finite number above 0'), not a run gone wrong (--time -1)."""
     def parse(text):
         number = kind(text)
-        if not (0 <= number if or_zero else 0 < number) or number == float("inf"):
+        if not (0 <= number if or_zero else 0 < number) or number == float("inf") or number > most:
             zero = "0 or " if or_zero else ""
-            raise argparse.ArgumentTypeError(f"{number} is not {zero}a finite number above 0")
+            cap = f", at most {most}" if most < float("inf") else ""
+            raise argparse.ArgumentTypeError(f"{number} is not {zero}a finite number above 0{cap}")
         return number
     parse.__name__ = kind.__name__  # argparse names it in its message for 'abc': 'invalid float'
     return parse
@@ -312,7 +299,7 @@ def entry(main):
 
 
 class Progress:
-    """A long step's progress line on stderr, at most every 2 s; `extra()` adds to it. 20 s in,
+    """A long step's progress line on stderr, every PROGRESS_EVERY s; `extra()` adds to it. 20 s in,
     Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'."""
 
     def __init__(self, what, total=0, unit=""):
@@ -321,16 +308,16 @@ class Progress:
 
     def __call__(self, done, extra=lambda: "", force=False):
         now = time.time()
-        if force or now - self.last >= 2.0:
-            self.last = now
+        if force or now - self.last >= PROGRESS_EVERY:
             rate = done / max(now - self.start, 1e-9)
             number = "{:,.1f}" if isinstance(done, float) else "{:,}"  # MB to 0.1, counts whole
             total = f"/{number.format(self.total)}" if self.total else ""
             line = f"{self.what}: {number.format(done)}{total} {self.unit}"
-            if self.total and now - self.start >= 5.0:  # sooner: the warm-up's rate, not the run's
+            if self.total and self.last > self.start:  # not the first line, the warm-up's rate
                 left = int((self.total - done) / max(rate, 1e-9))
                 line += f", ETA {left // 60}:{left % 60:02d}"
             print(f"{line}, {rate:,.1f} {self.unit}/s{extra()}", file=sys.stderr, flush=True)
+            self.last = now
 
 
 @contextlib.contextmanager
@@ -380,30 +367,27 @@ def read_prepared(folder):
     except (OSError, ValueError, KeyError, TypeError) as e:
         if isinstance(e, FileNotFoundError) and path.endswith("meta.json"):
             die(f"{folder}: no prepared data (no meta.json); run prepare.py --out {folder}")
-        die(f"{path}: missing or damaged ({type(e).__name__}: {str(e)[:80]}); prepare the data "
-            f"again into another --out, or remove {folder} first")
+        if isinstance(e, (KeyError, TypeError)):  # a key of meta.json missing, or not of its kind
+            path = os.path.join(folder, "meta.json")
+        damaged(path, e, f"; prepare the data again into another --out, or remove {folder} first")
     return meta, tok, rows
 
 
-def download(url, path, stop=None):
-    """url -> path.part -> path, retried (each retry said); setting the event `stop` ends it."""
+def download(url, path):
+    """url -> path.part -> path, retried (each retry said); a path already there is not fetched."""
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    stop = stop or threading.Event()
     for attempt in range(1, RETRIES + 1):
         try:
-            with requests.get(url, stream=True, timeout=(10, 60)) as response:
+            with requests.get(url, stream=True, timeout=TIMEOUT) as response:
                 status = response.status_code
                 if 400 <= status < 500 and status != 429:  # will not get better
                     die(f"download failed: {url}: HTTP {status}")
                 if status != 200:
                     raise requests.HTTPError(f"HTTP {status}")
                 with open(path + ".part", "wb") as f:  # each try starts it from zero
-                    for block in response.iter_content(1 << 16):  # a cut transfer raises
-                        if stop.is_set():
-                            raise KeyboardInterrupt
-                        f.write(block)
+                    f.writelines(response.iter_content(1 << 16))  # a cut transfer raises
             os.replace(path + ".part", path)
             return path
         except (requests.RequestException, OSError) as e:
@@ -412,22 +396,8 @@ def download(url, path, stop=None):
         if attempt < RETRIES:
             print(f"download {url}: {cause} (attempt {attempt} of {RETRIES}); waiting {wait:g}s",
                   file=sys.stderr, flush=True)
-            if stop.wait(wait):  # Ctrl-C in the main thread
-                raise KeyboardInterrupt
+            time.sleep(wait)
     die(f"download failed: {url}: {cause}")
-
-
-@contextlib.contextmanager
-def c4_downloads(out, count):
-    """Downloads C4's first `count` shards to out/raw, back to back from the start: -> futures."""
-    fetcher, stop = ThreadPoolExecutor(1), threading.Event()
-    path = os.path.join(out, "raw", "c4-train.{i:05d}.json.gz")
-    try:
-        yield [fetcher.submit(download, C4_URL.format(i=i), path.format(i=i), stop)
-               for i in range(count)]
-    finally:
-        stop.set()  # a download in flight gives up at its next block
-        fetcher.shutdown(cancel_futures=True)  # and those not started never start
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -436,17 +406,18 @@ def get_args(argv):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = ap.add_argument
     count = above_zero(int)  # 0 or less: argparse's error, not a run that fails later
-    arg("--input", nargs="+", help=".txt (paragraphs), .jsonl, .json.gz, .gz files (default: C4)")
-    arg("--shards", type=count, default=SHARDS, help="C4 shards to download (%(default)s)")
-    arg("--out", default="data", help="output folder, new or without meta.json (%(default)s)")
+    arg("--input", nargs="+", help="your text, not C4's: .txt (paragraphs), .jsonl, .gz of them")
+    arg("--shards", type=above_zero(int, most=C4_SHARDS), default=SHARDS,
+        help="how many C4 shards to download and use, from the first (%(default)s)")
+    arg("--out", default="data", help="folder to write: new, or without meta.json (%(default)s)")
     arg("--vocab-size", type=int, default=VOCAB_SIZE, help="tokens incl. 4 specials (%(default)s)")
     arg("--seq-len", type=count, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
-    arg("--trash", type=float, help=f"drop documents with at least this many tokens per "
-        f"character ({TRASH}, or --tokenizer's: its vocabulary's scale; 0: keep all)")
+    arg("--trash", type=above_zero(float, or_zero=True), help="drop documents of at least this "
+        f"many tokens per character ({TRASH}, or --tokenizer's, for its vocabulary; 0: keep all)")
     arg("--sample-mb", type=above_zero(float), default=SAMPLE_MB,
-        help="tokenizer sample (%(default)s MB)")
+        help="MB of text the tokenizer learns from, the first (%(default)s)")
     arg("--tokenizer", help="reuse a prepared folder's tokenizer and its vocab size, not train one")
-    arg("--workers", type=count, default=os.cpu_count() or 1, help="processes (%(default)s)")
+    arg("--workers", type=count, default=os.cpu_count() or 1, help="worker processes (%(default)s)")
     args = ap.parse_args(argv)
     if not 256 + len(SPECIALS) <= args.vocab_size <= 1 << 16:
         ap.error(f"argument --vocab-size: {args.vocab_size} is not from 260 (the 256 bytes and "
@@ -464,11 +435,14 @@ def main(argv=None):
         tokenizer_meta, tok = read_prepared(args.tokenizer)[:2]
     args.trash = tokenizer_meta["trash"] if args.trash is None else args.trash
     os.makedirs(args.out, exist_ok=True)
-    # The pool before the download thread (forking a process that has threads is unsafe). Workers
-    # ignore Ctrl-C: the main process answers it, and leaving the pool terminates them
+    args.files = args.input or []  # or C4's first --shards, all downloaded before the work starts
+    progress = Progress("download", args.shards, "C4 shards")  # (one there is kept: a restart
+    for i in range(0 if args.input else args.shards):  # downloads only those that are missing)
+        args.files.append(download(C4_URL.format(i=i), f"{args.out}/raw/c4-train.{i:05d}.json.gz"))
+        progress(i + 1)
+    # Workers ignore Ctrl-C: the main process answers it, and leaving the pool terminates them
     with multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
-        with c4_downloads(args.out, 0 if args.input else args.shards) as shards:
-            meta = write_data(args, tok, pool, args.input or shards)
+        meta = write_data(args, tok, pool)
     print(f"{args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens; dropped: "
           f"{json.dumps(meta['filters'])}")
     dropped = meta["filters"]["trash"] / (meta["filters"]["trash"] + meta["documents"])
