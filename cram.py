@@ -505,7 +505,7 @@ def go_on(path, saved, change):
 
 def log(logf, line="", **record):
     """Rank 0 (logf: its log.jsonl, None on the others) prints a line, or a record as 'step 3 |
-    tokens 6,144 | loss 6.12346 | ...' that log.jsonl keeps."""
+    seqs 48 | tokens 6,144 | loss 6.12346 | ...' that log.jsonl keeps."""
     if logf:
         fields = [f"{k} {v:,.6g}" if isinstance(v, float) else f"{k} {v:,}"
                   for k, v in record.items()]
@@ -554,7 +554,8 @@ def get_args(argv=None):
     arg("--time", type=above_zero(float), help=f"budget in seconds, compiling included ({BUDGET})")
     arg("--steps", type=count, help="budget in optimizer steps instead (reproducible)")
     arg("--seed", type=above_zero(int, or_zero=True), help="of the init, the order, the masks (0)")
-    arg("--preset", choices=PRESETS, default="crammed", help="the paper's, or tiny: the CPU demo")
+    arg("--preset", choices=PRESETS, default="crammed",
+        help="the paper's model and batch, or tiny: the CPU demo (%(default)s)")
     arg("--layers", type=count, help=f"blocks ({both('layers')})")
     arg("--width", type=count, help=f"hidden size ({both('width')})")
     arg("--heads", type=count, help=f"attention heads ({both('heads')})")

@@ -235,11 +235,12 @@ def get_args(argv):
     arg("--seed", type=int, default=0, help="trial k uses seed + k - 1 (default: %(default)s)")
     arg("--trials", type=above_zero(int), default=TRIALS,
         help="fine-tuning runs per task; the table gives their median (default: %(default)s)")
-    arg("--max-train-samples", type=above_zero(int), help="fine-tune on the first N examples only")
+    arg("--max-train-samples", type=above_zero(int), help="fine-tune on the first N examples (all)")
     arg("--device", help="cpu, cuda, cuda:1, ... (default: cuda if there is one)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
     arg("--random-init", action="store_true", help="no pretraining; into glue-random-init.json")
-    arg("--pool", choices=["first", "mean"], default="first", help="the head's input: v2's or mean")
+    arg("--pool", choices=["first", "mean"], default="first",
+        help="the head's input: v2's first token, or the tokens' mean (%(default)s)")
     args = ap.parse_args(argv)
     known = {t.lower(): t for t in TASKS}
     if not set(args.tasks.lower().split(",")) <= set(known):

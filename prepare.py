@@ -299,8 +299,8 @@ def entry(main):
 
 
 class Progress:
-    """A long step's progress line on stderr, every PROGRESS_EVERY s; `extra()` adds to it. 20 s in,
-    Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'."""
+    """A long step's progress on stderr, every PROGRESS_EVERY s, `extra()` added. A second line, 20 s
+    in: Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'."""
 
     def __init__(self, what, total=0, unit=""):
         self.what, self.total, self.unit = what, total, unit  # total 0: a count, no ETA
