@@ -299,7 +299,7 @@ def entry(main):
 
 
 class Progress:
-    """A long step's progress on stderr, every PROGRESS_EVERY s, `extra()` added. A second line, 20 s
+    """A long step's progress on stderr, every PROGRESS_EVERY s, `extra()` added. A later line, 20 s
     in: Progress("encode", 105.0, "MB")(52.5) -> 'encode: 52.5/105.0 MB, ETA 0:20, 2.6 MB/s'."""
 
     def __init__(self, what, total=0, unit=""):
