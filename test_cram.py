@@ -1051,10 +1051,10 @@ def test_damaged_data_is_named_at_start(tmp_path, data):
         (bad / f).write_bytes(open(os.path.join(data, f), "rb").read())
     with open(bad / "val.bin", "r+b") as f:
         f.truncate(64)
-    with pytest.raises(SystemExit, match="val.bin: missing or damaged .*1 rows, meta.json says"):
+    with pytest.raises(SystemExit, match="val.bin: damaged or unreadable .*1 rows, meta.json says"):
         cram.main(["--data", str(bad), "--out", str(tmp_path / "o"), *TINY])
     os.remove(bad / "train.bin")
-    with pytest.raises(SystemExit, match="train.bin: missing or damaged"):
+    with pytest.raises(SystemExit, match="train.bin: damaged or unreadable"):
         cram.main(["--data", str(bad), "--out", str(tmp_path / "o"), *TINY])
 
 
@@ -1314,7 +1314,7 @@ def test_glue_finetune_learns_a_synthetic_task(tmp_path, capsys, one_thread, dev
     assert "random init" in capsys.readouterr().out
     with open(ckpt, "wb") as f:
         f.write(b"not a checkpoint")
-    with pytest.raises(SystemExit, match=f"error: {ckpt}: corrupt"):
+    with pytest.raises(SystemExit, match=f"error: {ckpt}: damaged or unreadable"):
         glue.main(common + ["--tasks", "RTE"])
 
 
@@ -1667,7 +1667,7 @@ def test_a_truncated_tokenizer_file_is_a_damaged_folder(tmp_path, data):
     with open(path, "w") as f:
         f.write("".join(lines[:len(lines) // 2]))  # cut to half, at a line: it still parses
     vocab = json.load(open(os.path.join(bad, "meta.json")))["vocab_size"]
-    says = (f"^error: {path}: missing or damaged \\(ValueError: {len(lines) // 2 + 4} tokens, specials too; "
+    says = (f"^error: {path}: damaged or unreadable \\(ValueError: {len(lines) // 2 + 4} tokens, specials too; "
             f"meta.json says {vocab}\\); prepare the data again into another --out, or remove {bad} first$")
     with pytest.raises(SystemExit, match=says):
         cram.main(["--data", bad, "--out", str(tmp_path / "o"), *TINY, "--steps", "2"])
