@@ -313,7 +313,7 @@ class Progress:
             number = "{:,.1f}" if isinstance(done, float) else "{:,}"  # MB to 0.1, counts whole
             total = f"/{number.format(self.total)}" if self.total else ""
             line = f"{self.what}: {number.format(done)}{total} {self.unit}"
-            if self.total and self.last > self.start:  # not the first line, the warm-up's rate
+            if self.total and self.last > self.start:  # after a first line, the warm-up's rate
                 left = int((self.total - done) / max(rate, 1e-9))
                 line += f", ETA {left // 60}:{left % 60:02d}"
             print(f"{line}, {rate:,.1f} {self.unit}/s{extra()}", file=sys.stderr, flush=True)
