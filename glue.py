@@ -265,7 +265,7 @@ def main(argv=None):
     examples = args.trials * args.epochs * train_examples
     print(f"fine-tuning on {examples:,} examples in all: {args.trials} trial(s) x {args.epochs} "
           f"epochs x {train_examples:,} training examples of {len(data)} task(s)")
-    torch._dynamo.config.cache_size_limit = 3 * math.ceil(seq_len / BUCKET)  # 3 head sizes x lengths
+    torch._dynamo.config.cache_size_limit = 3 * math.ceil(seq_len / BUCKET)  # head sizes x lengths
     run = Run(examples, compile=device.type == "cuda" and not args.no_compile)
     results = {}
     for task, rows in data.items():
