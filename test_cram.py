@@ -1530,7 +1530,7 @@ def test_glue_a_compiled_run_compiles_once_and_scores_as_eager(tmp_path, monkeyp
     compile, Run = torch.compile, glue.Run
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compile(model, backend=count, **kwargs))
     monkeypatch.setattr(glue, "Run", lambda examples, compile: Run(examples, compile=True))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # main raises it; put back after
+    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 8)  # main raises it; put back after
     compiled = glue.main(flags)
     assert compiled == eager and set(compiled) == {"MNLI-m", "MNLI-mm", "STS-B", "RTE"}
     assert len(set(t["pearson"] for t in compiled["STS-B"]["trials"])) == 2  # the trials differ
