@@ -435,9 +435,9 @@ def main(argv=None):
         tokenizer_meta, tok = read_prepared(args.tokenizer)[:2]
     args.trash = tokenizer_meta["trash"] if args.trash is None else args.trash
     os.makedirs(args.out, exist_ok=True)
-    args.files = args.input or []  # or C4's first --shards, all downloaded before the work starts
-    progress = Progress("download", args.shards, "C4 shards")  # (one there is kept: a restart
-    for i in range(0 if args.input else args.shards):  # downloads only those that are missing)
+    args.files = args.input or []  # or C4's first --shards, downloaded before the work starts
+    progress = Progress("download", args.shards, "C4 shards")
+    for i in range(0 if args.input else args.shards):  # a shard already there is not fetched again
         args.files.append(download(C4_URL.format(i=i), f"{args.out}/raw/c4-train.{i:05d}.json.gz"))
         progress(i + 1)
     # Workers ignore Ctrl-C: the main process answers it, and leaving the pool terminates them
