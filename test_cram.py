@@ -1823,7 +1823,7 @@ def test_mfu_divides_the_models_flops_by_one_named_peak(tmp_path, data):
     cram.main(["--data", data, "--out", str(tmp_path), "--steps", "3", *TINY])
     c = cram.ModelConfig(**cram.load_checkpoint(str(tmp_path / "ckpt.pt"))["model_config"])
     for r in records(str(tmp_path))[:-1]:  # the FLOPs of the tokens a second, over the H100's peak
-        assert r["mfu"] == pytest.approx(cram.flops_per_token(c) * r["tok_s"] / 989e12, rel=1e-3)
+        assert abs(r["mfu"] * 989e12 / cram.flops_per_token(c) - r["tok_s"]) <= 0.5  # tok_s: rounded
 
 
 # ----------------------------------------------------------------------------- nothing lost, round three
