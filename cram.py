@@ -322,7 +322,7 @@ def train_step(model, opt, micro_batches, accum, lr):
     return loss, norm
 
 
-def train(args, changes, rank, world, device):
+def train(args, rank, world, device):
     """The run, in nanoGPT's order: build it (or take back a resumed one), then loop: read the
     clock, stop when the budget is spent, validate and save when due, set the lr and the batch,
     run one optimizer step, log it. -> the trained model."""
@@ -331,7 +331,7 @@ def train(args, changes, rank, world, device):
     if os.path.exists(path) and not args.resume:
         die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
     os.makedirs(args.out, exist_ok=True)
-    logf = None  # rank 0's log.jsonl: a new run replaces the log of one that died before a save
+    logf = None  # rank 0's log.jsonl: a new run replaces the log of one that died before saving
     if rank == 0:
         logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
     c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width, args.heads,
@@ -342,14 +342,14 @@ def train(args, changes, rank, world, device):
     # the checkpoint holds `state`, the weights and AdamW's moments
     state = dict(format="cram-ckpt-1", model_config=asdict(c), tokenizer=tok, args=vars(args),
                  step=0, seqs=0, elapsed=0.0, data=[0, 0])
-    saved = None  # the step of the checkpoint on the disk, for a fault's line
     if args.resume:  # on where it was saved: the same weights, moments, rows and masks
-        ckpt = load_checkpoint(path, meta, tok, "; start without --resume")
+        ckpt = load_checkpoint(path, meta, tok)
         state.update({k: ckpt[k] for k in ("step", "seqs", "elapsed", "data")})
         data.epoch, data.pos = ckpt["data"]
         raw.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        saved = save(path, state, raw, opt, rank)  # at once: a disk that takes none shows now
+    # saved at once: a disk that takes no checkpoint shows now, and every fault can say --resume
+    saved = save(path, state, raw, opt, rank)  # the step on the disk, for a fault's line
     n = sum(p.numel() for p in raw.parameters())
     budget = f"{args.steps} steps" if args.steps else f"{args.time:.0f}s"
     last_batch = ramp(1.0, args.batch_size, args.micro_batch * world) * args.micro_batch * world
@@ -357,15 +357,9 @@ def train(args, changes, rank, world, device):
               f"{flops_per_token(c) / 1e9:.3f} GFLOP/token | budget {budget} | peak lr {args.lr} "
               f"| micro-batches of {args.micro_batch} x {world}, the batch ramps from "
               f"{args.micro_batch * world} to {last_batch} on {device}")
-    for line in changes:
-        log(logf, line)
     if device.type == "cpu" and c == ModelConfig(c.vocab_size, c.seq_len):
         log(logf, "the paper's model on a CPU: a step takes minutes; the CPU demo learns in "
                   "minutes: --preset tiny (the README)")
-    if args.resume:
-        log(logf, f"resumed at step {state['step']} with the run's own settings")
-        if budget_used(state["step"], state["elapsed"], args) >= 1:
-            log(logf, "the run is finished: its budget is spent; a longer one is a new run")
 
     signals = []  # Ctrl-C and SIGTERM received: the run saves and stops at the end of a step
 
@@ -411,8 +405,8 @@ def train(args, changes, rank, world, device):
                 saved = save(path, state, raw, opt, rank)
                 if world > 1:  # no rank leaves before rank 0's checkpoint is on the disk
                     dist.barrier()
-                die(f"gradient not finite at step {state['step'] + 1}; "
-                    f"{go_on(path, saved, f'--lr {args.lr / 2:g}')}")
+                die(f"gradient not finite at step {state['step'] + 1}; {path} holds step {saved}: "
+                    f"continue: the same command --resume --lr {args.lr / 2:g}")
             state["step"] += 1
             state["seqs"] += batch
             losses.append(loss)
@@ -435,8 +429,8 @@ def train(args, changes, rank, world, device):
                 losses, seconds, seqs, compiling = [], 0.0, 0, False
         saved = save(path, state, raw, opt, rank)
     except torch.cuda.OutOfMemoryError:  # the step may have half-run: nothing saved now
-        die(f"out of memory at step {state['step'] + 1}; "
-            f"{go_on(path, saved, f'--micro-batch {max(1, args.micro_batch // 2)}')}")
+        die(f"out of memory at step {state['step'] + 1}; {path} holds step {saved}: continue: "
+            f"the same command --resume --micro-batch {max(1, args.micro_batch // 2)}")
     finally:
         for s, handler in caller.items():
             signal.signal(s, handler)
@@ -496,13 +490,6 @@ def save(path, state, model, opt, rank):
     return state["step"]
 
 
-def go_on(path, saved, change):
-    """After a fault: how to go on, from the checkpoint on the disk or from the start."""
-    if saved is None:
-        return f"nothing was saved yet: start again: the same command {change}"
-    return f"{path} holds step {saved}: continue: the same command --resume {change}"
-
-
 def log(logf, line="", **record):
     """Rank 0 (logf: its log.jsonl, None on the others) prints a line, or a record as 'step 3 |
     seqs 48 | tokens 6,144 | loss 6.12346 | ...' that log.jsonl keeps."""
@@ -514,21 +501,19 @@ def log(logf, line="", **record):
             print(json.dumps(record), file=logf, flush=True)
 
 
-def load_checkpoint(path, meta=None, tok=None, hint=""):
+def load_checkpoint(path, meta=None, tok=None):
     """A cram checkpoint (mapped, not read); given prepared data, it must share its tokenizer."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError:
-        die(f"{path}: no checkpoint here{hint}")
-    except PermissionError:
-        raise  # the file is there, but this user cannot read it: entry says so in one line
+    except OSError:
+        raise  # not there, or not readable: entry says which file, in one line
     except Exception as e:  # torch raises many kinds for a damaged file
         damaged(path, e)
     if not isinstance(ckpt, dict) or ckpt.get("format") != "cram-ckpt-1":
         die(f"{path}: not a cram checkpoint")
     if meta and (ckpt["tokenizer"]["ranks"] != tok["ranks"]
                  or ckpt["model_config"]["seq_len"] != meta["seq_len"]):
-        die(f"{path}: another tokenizer or row length than this data; prepare it with --tokenizer")
+        die(f"{path}: another tokenizer or row length than this data: its run's own --data")
     return ckpt
 
 
@@ -541,8 +526,7 @@ def load_model(ckpt, **overrides):
 
 def get_args(argv=None):
     """The run's settings in one pass: the flags given; for a run setting not given, the preset's,
-    or on --resume the run's own; a resume may change RESUME_MAY_CHANGE only. -> (args, the
-    lines that say a resume's changes)"""
+    or on --resume the run's own; a resume may change RESUME_MAY_CHANGE only."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     arg, count, seconds = ap.add_argument, above_zero(int), above_zero(float, or_zero=True)
@@ -576,27 +560,23 @@ def get_args(argv=None):
     arg("--fill", nargs="+", metavar="TEXT", help="OUT/ckpt.pt's top 5 for each [MASK] of TEXT")
     args = ap.parse_args(argv)
     if args.resume:
-        run = load_checkpoint(os.path.join(args.out, "ckpt.pt"), hint="; start without --resume")
-        run = run["args"]
+        run = load_checkpoint(os.path.join(args.out, "ckpt.pt"))["args"]
     else:
         run = dict(PRESETS[args.preset], time=BUDGET, steps=None, seed=0)
         if args.preset == "crammed":
             run["micro_batch"] = paper_micro_batch(args.batch_size or BATCH_SIZE, args.device)
-    changes = []
     for k in RUN_SETTINGS:
         flag, given = f"--{k.replace('_', '-')}", getattr(args, k, None)
         if given is None:
             setattr(args, k, run[k])
-        elif args.resume and given != run[k]:
-            if k not in RESUME_MAY_CHANGE:
-                ap.error(f"{flag} {given}: --resume keeps the run's own {run[k]}; other budgets, "
-                         f"models, seeds, batches: a new --out")
-            changes.append(f"{flag} {given} replaces the run's own {run[k]}")
+        elif args.resume and given != run[k] and k not in RESUME_MAY_CHANGE:
+            ap.error(f"{flag} {given}: --resume keeps the run's own {run[k]}; other budgets, "
+                     f"models, seeds, batches: a new --out")
     if args.width % args.heads or args.width % 2 or args.ffn % 2:
         ap.error("--width must be even and divide by --heads, and --ffn be even")
     if args.batch_size < args.micro_batch:
         ap.error("--batch-size must be at least --micro-batch")
-    return args, changes
+    return args
 
 
 def paper_micro_batch(batch_size, device_name):
@@ -638,11 +618,11 @@ def setup(args):
 
 @entry
 def main(argv=None):
-    args, changes = get_args(argv)
+    args = get_args(argv)
     rank, world, device = setup(args)
     if args.fill:
         return fill(args, device)
-    return train(args, changes, rank, world, device)
+    return train(args, rank, world, device)
 
 
 if __name__ == "__main__":

@@ -187,24 +187,13 @@ def finetune(ckpt, task, train, devs, args, trial, device, run):
 
 
 # ----------------------------------------------------------------------------- the metrics
-def accuracy(p, y):
-    return float(np.mean(np.asarray(p) == np.asarray(y)))
-
-
-def f1(p, y):
-    p, y = np.asarray(p) == 1, np.asarray(y) == 1  # 2tp / (2tp + fp + fn) = 2tp / (|p| + |y|)
-    return float(2 * np.sum(p & y) / max(np.sum(p) + np.sum(y), 1))  # none in either: 0, not nan
-
-
-def pearson(p, y):
-    p, y = [np.asarray(v, np.float64) - np.mean(v) for v in (p, y)]
-    d = math.sqrt(np.sum(p * p) * np.sum(y * y))
-    return float(np.sum(p * y) / d) if d else 0.0  # a constant: no correlation, not nan
-
-
 def score(task, p, y):
-    fns = dict(accuracy=accuracy, f1=f1, mcc=pearson, pearson=pearson)  # 0/1 labels: MCC is r
-    return {m: 100 * fns[m](p, y) for m in METRICS.get(task, ["accuracy"])}
+    """The task's metrics x 100, of predictions p and labels y (0/1 labels: MCC is Pearson's r)."""
+    p, y = np.asarray(p, np.float64), np.asarray(y, np.float64)
+    r = np.corrcoef(p, y)[0, 1] if p.std() and y.std() else 0.0  # a constant: no correlation
+    f1 = 2 * np.sum(p * y) / max(np.sum(p) + np.sum(y), 1)  # 2tp / (|p| + |y|); none: 0, not nan
+    found = {"accuracy": np.mean(p == y), "f1": f1, "mcc": r, "pearson": r}
+    return {m: 100 * float(found[m]) for m in METRICS.get(task, ["accuracy"])}
 
 
 def glue_score(results):

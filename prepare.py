@@ -2,7 +2,6 @@
 
     python prepare.py                              # download 33 C4 shards, write data/
     python prepare.py --input corpus.jsonl.gz      # or use local files, fully offline
-    python prepare.py --input more.txt --tokenizer data --out heldout   # reuse a vocabulary
 
 The folder gets train.bin and val.bin (uint16 token ids, rows of --seq-len), tokenizer.tiktoken
 and, written last, meta.json: a folder without meta.json is not data."""
@@ -236,8 +235,8 @@ def pack(pool, rank_file, tok, args):
     return close_rows(train, args.seq_len), close_rows(val, args.seq_len), stats
 
 
-def write_data(args, tok, pool):
-    tok = tok or train_tokenizer(pool, args)  # or --tokenizer's
+def write_data(args, pool):
+    tok = train_tokenizer(pool, args)
     rank_file = os.path.join(args.out, "tokenizer.tiktoken")
     pathlib.Path(rank_file).write_text(tok["ranks"])
     train_rows, val_rows, stats = pack(pool, rank_file, tok, args)
@@ -381,11 +380,8 @@ def download(url, path):
     for attempt in range(1, RETRIES + 1):
         try:
             with requests.get(url, stream=True, timeout=TIMEOUT) as response:
-                status = response.status_code
-                if 400 <= status < 500 and status != 429:  # will not get better
-                    die(f"download failed: {url}: HTTP {status}")
-                if status != 200:
-                    raise requests.HTTPError(f"HTTP {status}")
+                if response.status_code != 200:  # a 404 too: retried, then said in one line
+                    raise requests.HTTPError(f"HTTP {response.status_code}")
                 with open(path + ".part", "wb") as f:  # each try starts it from zero
                     f.writelines(response.iter_content(1 << 16))  # a cut transfer raises
             os.replace(path + ".part", path)
@@ -412,11 +408,10 @@ def get_args(argv):
     arg("--out", default="data", help="folder to write: new, or without meta.json (%(default)s)")
     arg("--vocab-size", type=int, default=VOCAB_SIZE, help="tokens incl. 4 specials (%(default)s)")
     arg("--seq-len", type=count, default=SEQ_LEN, help="tokens per packed row (%(default)s)")
-    arg("--trash", type=above_zero(float, or_zero=True), help="drop documents of at least this "
-        f"many tokens per character ({TRASH}, or --tokenizer's, for its vocabulary; 0: keep all)")
+    arg("--trash", type=above_zero(float, or_zero=True), default=TRASH,
+        help="drop documents of at least this many tokens per character (%(default)s; 0: keep all)")
     arg("--sample-mb", type=above_zero(float), default=SAMPLE_MB,
         help="MB of text the tokenizer learns from, the first (%(default)s)")
-    arg("--tokenizer", help="reuse a prepared folder's tokenizer and its vocab size, not train one")
     arg("--workers", type=count, default=os.cpu_count() or 1, help="worker processes (%(default)s)")
     args = ap.parse_args(argv)
     if not 256 + len(SPECIALS) <= args.vocab_size <= 1 << 16:
@@ -430,10 +425,6 @@ def main(argv=None):
     args = get_args(argv)
     if os.path.exists(os.path.join(args.out, "meta.json")):
         die(f"--out {args.out} holds prepared data (meta.json): choose another --out")
-    tokenizer_meta, tok = {"trash": TRASH}, None  # the paper's filter; a tokenizer trained here
-    if args.tokenizer:  # or a prepared folder's, and its filter: its vocabulary's scale
-        tokenizer_meta, tok = read_prepared(args.tokenizer)[:2]
-    args.trash = tokenizer_meta["trash"] if args.trash is None else args.trash
     os.makedirs(args.out, exist_ok=True)
     args.files = args.input or []  # or C4's first --shards, downloaded before the work starts
     progress = Progress("download", args.shards, "C4 shards")
@@ -442,12 +433,9 @@ def main(argv=None):
         progress(i + 1)
     # Workers ignore Ctrl-C: the main process answers it, and leaving the pool terminates them
     with multiprocessing.Pool(args.workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool:
-        meta = write_data(args, tok, pool)
+        meta = write_data(args, pool)
     print(f"{args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens; dropped: "
           f"{json.dumps(meta['filters'])}")
-    dropped = meta["filters"]["trash"] / (meta["filters"]["trash"] + meta["documents"])
-    if dropped > 0.01:  # the paper's rule drops few documents of normal text
-        print(f"the trash filter dropped {dropped:.1%} of the documents: much trash? raise --trash")
     return meta
 
 
