@@ -369,7 +369,6 @@ def train(args, rank, world, device):
     caller = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     start = time.monotonic() - state["elapsed"]  # a resumed run goes on from its own time
     next_log = state["elapsed"]
-    next_eval = state["elapsed"] + args.eval_every
     next_save = state["elapsed"] + args.save_every
     losses, seconds, seqs = [], 0.0, 0  # of the steps since the last log line
     compiling = device.type == "cuda" and not args.no_compile  # the first step compiles
@@ -386,10 +385,8 @@ def train(args, rank, world, device):
             used = budget_used(state["step"], now, args)
             if stopped or used >= 1:
                 break
-            if args.eval_every and state["step"] and now >= next_eval:
+            if state["step"] and now >= next_save:  # a checkpoint, and in the log its held-out loss
                 validate(raw, val, specials, args.micro_batch, device, logf, state)
-                next_eval = now + args.eval_every
-            if state["step"] and now >= next_save:
                 saved = save(path, state, raw, opt, rank)
                 next_save = now + args.save_every
             lr = schedule(used, args.lr)
@@ -551,11 +548,10 @@ def get_args(argv=None):
     arg("--device", help="cuda, cpu, cuda:1, ... (default: cuda when available)")
     arg("--no-compile", action="store_true", help="skip torch.compile (on by default on CUDA)")
     arg("--log-every", type=seconds, default=10, help="seconds between log lines (%(default)s)")
-    arg("--eval-every", type=seconds, default=0, help="seconds between validations (0: the end)")
     arg("--eval-rows", type=above_zero(int, or_zero=True), default=2048,
         help="held-out rows a validation reads, on fixed masks (%(default)s)")
     arg("--save-every", type=above_zero(float), default=1800,
-        help="seconds between checkpoints: what a lost GPU may cost (%(default)s)")
+        help="seconds between checkpoints, each validated: what a lost GPU may cost (%(default)s)")
     arg("--resume", action="store_true", help="go on with OUT/ckpt.pt (see RESUME_MAY_CHANGE)")
     arg("--fill", nargs="+", metavar="TEXT", help="OUT/ckpt.pt's top 5 for each [MASK] of TEXT")
     args = ap.parse_args(argv)

@@ -983,8 +983,7 @@ def test_the_rate_counts_training_time_only(tmp_path, data, monkeypatch):
     monkeypatch.setattr(cram.time, "monotonic", clock)
     monkeypatch.setattr(cram.torch, "save", slow_save)
     monkeypatch.setattr(cram, "evaluate", slow_evaluate)
-    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "4", "--save-every", "1e-9", "--eval-every", "1e-9",
-               *TINY])
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "4", "--save-every", "1e-9", *TINY])
     steps = [r for r in records(str(tmp_path)) if "tok_s" in r]
     assert len(steps) == 4  # a save and a validation between every two log lines, none in the rate:
     assert all(r["tok_s"] > 16 * 32 / 0.01 for r in steps)  # a step's 16 rows of 32 in 2 ticks
@@ -1018,7 +1017,7 @@ def test_out_folder_holds_a_run(tmp_path, data):
     (["--batch-size", "0"], "argument --batch-size: 0 is not"), (["--heads", "0"], "argument --heads: 0 is not"),
     (["--heads", "3"], "--width must be even and divide by --heads"), (["--save-every", "0"], "argument --save-every: 0.0 is not"),
     (["--eval-rows", "-1"], "argument --eval-rows: -1 is not 0 or a finite number above 0"),
-    (["--eval-every", "-5"], "argument --eval-every: -5.0 is not 0 or"), (["--seed", "-1"], "argument --seed: -1 is not 0 or"),
+    (["--log-every", "-5"], "argument --log-every: -5.0 is not 0 or"), (["--seed", "-1"], "argument --seed: -1 is not 0 or"),
     (["--fill"], "argument --fill: expected at least one argument"),
     (["--steps", "x"], "argument --steps: invalid int value")])
 def test_flags_that_cannot_work_are_refused(flags, msg, data, tmp_path, capsys):
@@ -1815,7 +1814,7 @@ def test_mfu_divides_the_models_flops_by_one_named_peak(tmp_path, data):
 
 # ----------------------------------------------------------------------------- nothing lost, round three
 def test_eval_rows_0_means_no_validation(tmp_path, data, capsys):
-    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "3", *TINY, "--eval-every", "1e-9",
+    cram.main(["--data", data, "--out", str(tmp_path), "--steps", "3", *TINY, "--save-every", "1e-9",
                "--eval-rows", "0"])
     log = records(str(tmp_path))
     assert not any("val_loss" in r for r in log) and log[-1]["step"] == 3
