@@ -189,9 +189,11 @@ def finetune(ckpt, task, train, devs, args, trial, device, run):
 # ----------------------------------------------------------------------------- the metrics
 def score(task, p, y):
     """The task's metrics x 100, of predictions p and labels y (0/1 labels: MCC is Pearson's r)."""
-    p, y = np.asarray(p, np.float64), np.asarray(y, np.float64)
-    r = np.corrcoef(p, y)[0, 1] if p.std() and y.std() else 0.0  # a constant: no correlation
-    f1 = 2 * np.sum(p * y) / max(np.sum(p) + np.sum(y), 1)  # 2tp / (|p| + |y|); none: 0, not nan
+    dp, dy = [np.asarray(v, np.float64) - np.mean(v) for v in (p, y)]  # deviations from the mean
+    d = math.sqrt(np.sum(dp * dp) * np.sum(dy * dy))
+    r = np.sum(dp * dy) / d if d else 0.0  # Pearson's r; a constant: no correlation, not nan
+    p, y = np.asarray(p), np.asarray(y)
+    f1 = 2 * np.sum((p == 1) & (y == 1)) / max(np.sum(p == 1) + np.sum(y == 1), 1)  # 2tp/(|p|+|y|)
     found = {"accuracy": np.mean(p == y), "f1": f1, "mcc": r, "pearson": r}
     return {m: 100 * float(found[m]) for m in METRICS.get(task, ["accuracy"])}
 
