@@ -1,5 +1,5 @@
 """Tests for prepare.py, cram.py and glue.py: no network, tiny data made here; CUDA cases run where there is a GPU."""
-import argparse, base64, builtins, gzip, http.server, io, json, math, os, random, shutil, signal, socket, stat, subprocess, sys, threading, time, zipfile
+import argparse, base64, builtins, contextlib, gzip, http.server, io, json, math, os, random, shutil, signal, socket, stat, subprocess, sys, threading, time, zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
@@ -679,8 +679,9 @@ def test_a_checkpoint_moves_between_devices(tmp_path, data, train_on, fill_on):
     assert all(p == pytest.approx(q, abs=1e-4) for a, b in zip(here, there) for (_, p), (_, q) in zip(a, b))
 
 
-WRAPPER = """import faulthandler, os, sys, time
-faulthandler.dump_traceback_later(240, exit=True)  # a rank that hangs shows where, then ends
+WRAPPER = """import faulthandler, os, signal, sys, time
+faulthandler.dump_traceback_later(200, exit=True)  # a rank that hangs shows where, then ends
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # and where it is, when finished() asks
 sys.path.insert(0, {here!r})
 import cram
 real_save = cram.torch.save
@@ -701,11 +702,32 @@ real_save(model.state_dict(), os.path.join({out!r}, "rank%s.pt" % os.environ["RA
 """
 
 
+# torchrun itself, with its stacks on SIGUSR1: a hang outside the ranks shows where too
+AGENT = ("import faulthandler, runpy, signal; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+         "runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)")
+
+
 def torchrun(tmp_path, out, *flags, delay=0.0, patch=""):
     script = tmp_path / "wrapper.py"
     script.write_text(WRAPPER.format(here=HERE, delay=delay, out=out, patch=patch))
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    return subprocess.Popen([sys.executable, "-c", AGENT, "--standalone", "--nproc_per_node", "2",
                              str(script), "--out", out, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finished(p, timeout=300):
+    """torchrun's output, read while it runs, once it ends. A hang fails the test with every
+    process's stacks, then kills them all: torchrun starts its ranks in sessions of their own, so
+    a timed-out wait alone would leave them running, and slowing every later test."""
+    try:
+        return p.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        tree = [str(p.pid)] + open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()
+        for sig in (signal.SIGUSR1, signal.SIGKILL):
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), sig)
+                time.sleep(0.5)  # one stack dump at a time
+        pytest.fail(f"torchrun ran past {timeout}s; its processes' stacks:\n" + p.communicate()[0])
 
 
 def replicas_agree(out):
@@ -719,7 +741,8 @@ def test_ddp_signal_to_the_workers_waits_for_the_save_and_resumes_exactly(tmp_pa
     flags = ["--data", data, "--steps", "12", *TINY, "--batch-size", "64"]
     full = str(tmp_path / "full")
     p = torchrun(tmp_path, full, *flags)
-    assert p.wait(300) == 0, p.stdout.read()
+    said = finished(p)
+    assert p.returncode == 0, said
     assert replicas_agree(full) and records(full)[-2]["seqs"] == sum(16 * cram.ramp(s / 12, 64, 16) for s in range(12))
     part = str(tmp_path / "part")
     p = torchrun(tmp_path, part, *flags, "--save-every", "1e-9", delay=2.0)
@@ -729,13 +752,14 @@ def test_ddp_signal_to_the_workers_waits_for_the_save_and_resumes_exactly(tmp_pa
     workers = open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()
     for pid in workers:  # as a scheduler that signals every process does
         os.kill(int(pid), signal.SIGTERM)
-    out = p.communicate(timeout=120)[0]
+    out = finished(p, 120)
     stopped = [line for line in out.splitlines() if "stopped by signal 15 at step" in line]
     assert stopped and p.returncode != 0, out
     step = cram.load_checkpoint(os.path.join(part, "ckpt.pt"))["step"]
     assert f"at step {step}:" in stopped[0] and 0 < step < 12  # the last step is on the disk
     p = torchrun(tmp_path, part, *flags, "--resume")
-    assert p.wait(300) == 0, p.stdout.read()
+    said = finished(p)
+    assert p.returncode == 0, said
     a, b = torch.load(os.path.join(full, "ckpt.pt")), torch.load(os.path.join(part, "ckpt.pt"))
     assert a["step"] == b["step"] == 12 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
@@ -748,11 +772,31 @@ def test_torchrun_finishes_a_short_run_and_saves_once(tmp_path, data, device):
     out = str(tmp_path / "run")
     flags = [f for f in TINY if f not in ("--micro-batch", "8")]
     p = torchrun(tmp_path, out, "--data", data, "--steps", "4", *flags, "--batch-size", "128", "--device", device)
-    assert p.wait(300) == 0, p.stdout.read()
-    assert "micro-batches of 8 x 2, the batch ramps from 16 to 128" in p.stdout.read()
+    said = finished(p)
+    assert p.returncode == 0, said
+    assert "micro-batches of 8 x 2, the batch ramps from 16 to 128" in said
     assert [r["batch"] for r in records(out) if "batch" in r] == [16, 16 * cram.ramp(0.25, 128, 16), 16 * cram.ramp(0.5, 128, 16), 128]
     assert replicas_agree(out) and open(os.path.join(out, "saves")).read() == "00"  # rank 0: at the start, the end
     assert cram.load_checkpoint(os.path.join(out, "ckpt.pt"))["step"] == 4
+
+
+def test_a_hung_torchrun_fails_with_every_stack_and_leaves_nothing_running(tmp_path, data):
+    """The guard of the DDP tests: a rank that never returns fails its test within the timeout,
+    with the stacks of torchrun and both ranks, and no process of it is left to slow later tests."""
+    out = str(tmp_path / "run")
+    p = torchrun(tmp_path, out, "--data", data, "--steps", "2", *TINY, patch="time.sleep(3600)")
+    while len(open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()) < 2:
+        time.sleep(0.1)  # both ranks started
+    ranks = open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()
+    with pytest.raises(pytest.fail.Exception) as e:
+        finished(p, 5)
+    said = str(e.value)
+    assert "ran past 5s" in said and said.count("time.sleep(3600)") + said.count("wrapper.py") >= 2
+    assert "torch/distributed" in said  # the agent's own stack
+    time.sleep(1)
+    for pid in [p.pid, *ranks]:  # gone, or a zombie that no longer runs
+        with contextlib.suppress(FileNotFoundError):
+            assert open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
 
 
 NAN_ON_RANK_1 = """real_ce, calls = cram.F.cross_entropy, []
@@ -768,7 +812,7 @@ def test_ddp_a_non_finite_gradient_saves_before_any_rank_leaves(tmp_path, data):
     before rank 0's slow checkpoint of the last good step is on the disk."""
     out = str(tmp_path / "run")
     p = torchrun(tmp_path, out, "--data", data, "--steps", "6", *TINY, delay=2.0, patch=NAN_ON_RANK_1)
-    said = p.communicate(timeout=300)[0]
+    said = finished(p)
     assert p.returncode != 0 and f"error: gradient not finite at step 3; {out}/ckpt.pt holds step 2" in said
     events = [line.split() for line in open(os.path.join(out, "events")).read().splitlines()]
     saved = [float(t) for what, rank, t in events if what == "saved"]
@@ -1509,7 +1553,8 @@ def test_glue_a_compiled_run_compiles_once_and_scores_as_eager(tmp_path, monkeyp
     graphs = []
 
     def count(graph, example_inputs):  # a graph's (head size, length): its head's weight, its ids
-        head = [x.shape[0] for x in example_inputs if x.shape[1:] == (glue.HEAD_DIM,)]
+        weights = [*example_inputs, *graph.parameters()]  # torch 2.4 keeps the weights in the graph
+        head = [x.shape[0] for x in weights if x.shape[1:] == (glue.HEAD_DIM,)]
         ids = [x.shape[1] for x in example_inputs if x.dtype == torch.long]
         graphs.append((*head, *ids))
         return graph.forward
