@@ -331,7 +331,7 @@ def train(args, rank, world, device):
     if os.path.exists(path) and not args.resume:
         die(f"--out {args.out} holds a run: continue it with --resume, or use another --out")
     os.makedirs(args.out, exist_ok=True)
-    logf = None  # rank 0's log.jsonl: a new run replaces the log of one that died before saving
+    logf = None  # rank 0's log.jsonl: a new run writes its own, a resumed one appends to it
     if rank == 0:
         logf = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w")
     c = ModelConfig(meta["vocab_size"], meta["seq_len"], args.layers, args.width, args.heads,
@@ -510,7 +510,7 @@ def load_checkpoint(path, meta=None, tok=None):
         die(f"{path}: not a cram checkpoint")
     if meta and (ckpt["tokenizer"]["ranks"] != tok["ranks"]
                  or ckpt["model_config"]["seq_len"] != meta["seq_len"]):
-        die(f"{path}: another tokenizer or row length than this data: its run's own --data")
+        die(f"{path}: its run's data had another tokenizer or row length than this --data")
     return ckpt
 
 

@@ -968,7 +968,7 @@ def test_clear_errors(tmp_path, data):
         cram.main(["--data", data, "--out", str(tmp_path), "--resume", *TINY])
     cram.main(["--data", data, "--out", str(tmp_path / "a"), "--steps", "1", *TINY])
     other, out = prep(str(tmp_path), make_docs(200, seed=5)[:150], name="other")  # a tokenizer of its own
-    with pytest.raises(SystemExit, match="another tokenizer or row length than this data: its run's own --data"):
+    with pytest.raises(SystemExit, match="its run's data had another tokenizer or row length than this --data"):
         cram.main(["--data", out, "--out", str(tmp_path / "a"), "--resume", *TINY])
 
 
