@@ -171,10 +171,9 @@ def finetune(ckpt, task, train, devs, args, trial, device, run):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        done = run.done + min((step + 1) * args.batch_size, len(order))
+        run.done += len(picked)
         trial_loss = lambda: f" | {task} trial {trial + 1}/{args.trials}, loss {loss.item():.4f}"
-        run.progress(done, trial_loss, force=step + 1 == steps)  # .item() waits: only if printed
-    run.done += len(order)
+        run.progress(run.done, trial_loss, force=step + 1 == steps)  # .item() waits: only if shown
     model.eval()
     scores = {}
     with torch.no_grad(), autocast(device):
