@@ -578,7 +578,8 @@ def get_args(argv=None):
 def paper_micro_batch(batch_size, device_name):
     """The crammed preset's micro-batch by the GPU's memory (GPU_MICRO_BATCH: 512 from 40 GB, 256
     from 20, else v2's 128), at most RAMP_FIRST of the batch over all the GPUs."""
-    device, gb = pick_device(device_name), 0  # a CPU reads GPU_MICRO_BATCH's 0 GB row: v2's 128
+    device = pick_device(device_name)
+    gb = 0  # a CPU reads GPU_MICRO_BATCH's 0 GB row: v2's 128
     if device.type == "cuda":
         gb = torch.cuda.get_device_properties(device).total_memory / 1e9
     size = next(size for least_gb, size in GPU_MICRO_BATCH.items() if gb >= least_gb)
