@@ -784,14 +784,16 @@ def test_a_hung_torchrun_fails_with_every_stack_and_leaves_nothing_running(tmp_p
     """The guard of the DDP tests: a rank that never returns fails its test within the timeout,
     with the stacks of torchrun and both ranks, and no process of it is left to slow later tests."""
     out = str(tmp_path / "run")
-    p = torchrun(tmp_path, out, "--data", data, "--steps", "2", *TINY, patch="time.sleep(3600)")
-    while len(open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()) < 2:
-        time.sleep(0.1)  # both ranks started
+    asleep = f"open(os.path.join({str(tmp_path)!r}, 'asleep' + os.environ['RANK']), 'w').close()"
+    p = torchrun(tmp_path, out, "--data", data, "--steps", "2", *TINY, patch=asleep + "\ntime.sleep(3600)")
+    while not all(os.path.exists(tmp_path / f"asleep{r}") for r in "01"):  # stacks on call now
+        assert p.poll() is None, p.stdout.read()
+        time.sleep(0.1)
     ranks = open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()
     with pytest.raises(pytest.fail.Exception) as e:
-        finished(p, 5)
+        finished(p, 1)
     said = str(e.value)
-    assert "ran past 5s" in said and said.count("time.sleep(3600)") + said.count("wrapper.py") >= 2
+    assert "ran past 1s" in said and said.count("wrapper.py") >= 2  # each rank's stack, in its sleep
     assert "torch/distributed" in said  # the agent's own stack
     time.sleep(1)
     for pid in [p.pid, *ranks]:  # gone, or a zombie that no longer runs
