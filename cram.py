@@ -483,7 +483,7 @@ def save(path, state, model, opt, rank):
             with atomic(path) as f:
                 torch.save(ckpt, f)
         except (OSError, RuntimeError) as e:  # torch.save says RuntimeError for a full disk
-            die(f"{path}: cannot save ({str(e)[:60]}); the last checkpoint is intact")
+            die(f"{path}: cannot save ({str(e)[:60]}); the checkpoint on the disk, if any, is intact")
     return state["step"]
 
 
@@ -502,8 +502,10 @@ def load_checkpoint(path, meta=None, tok=None):
     """A cram checkpoint (mapped, not read); given prepared data, it must share its tokenizer."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except OSError:
-        raise  # not there, or not readable: entry says which file, in one line
+    except OSError as e:
+        if e.filename:  # not there, or not readable: entry says which file, in one line
+            raise
+        damaged(path, e)  # a file cut short: mapped, it fails with an OSError naming no file
     except Exception as e:  # torch raises many kinds for a damaged file
         damaged(path, e)
     if not isinstance(ckpt, dict) or ckpt.get("format") != "cram-ckpt-1":

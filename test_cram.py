@@ -972,6 +972,11 @@ def test_clear_errors(tmp_path, data):
     other, out = prep(str(tmp_path), make_docs(200, seed=5)[:150], name="other")  # a tokenizer of its own
     with pytest.raises(SystemExit, match="its run's data had another tokenizer or row length than this --data"):
         cram.main(["--data", out, "--out", str(tmp_path / "a"), "--resume", *TINY])
+    whole = (tmp_path / "a" / "ckpt.pt").read_bytes()
+    for size in (5_000, len(whole) // 2):  # cut short: mapped, torch fails with an OSError naming no file
+        (tmp_path / "a" / "ckpt.pt").write_bytes(whole[:size])
+        with pytest.raises(SystemExit, match=r"a/ckpt.pt: damaged or unreadable \((OSError|RuntimeError)"):
+            cram.main(["--data", data, "--out", str(tmp_path / "a"), "--fill", "a [MASK]"])
 
 
 
@@ -1148,7 +1153,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, data, monkeypatch):
         f.write(b"partial")
         raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64")
     monkeypatch.setattr(cram.torch, "save", full)
-    with pytest.raises(SystemExit, match="ckpt.pt: cannot save .* the last checkpoint is intact"):
+    with pytest.raises(SystemExit, match="ckpt.pt: cannot save .* the checkpoint on the disk, if any, is intact"):
         cram.main(["--data", data, "--out", str(tmp_path), "--resume", *TINY])  # it saves at once
     assert open(path, "rb").read() == before and not os.path.exists(path + ".tmp")
 
